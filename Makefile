@@ -1,0 +1,40 @@
+# make run  : install (or refresh) .venv, then run the demo flow on the embedded default.
+# make test : install (or refresh) .venv, then lint, check the layer rules and run the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip install -q -c constraints.txt
+STAMP := $(VENV)/.installed
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: install run test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip setuptools wheel
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PIP) torch==2.13.0
+	# DeepSpeed is an sdist whose setup imports torch: build it against the torch above, ops off.
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==0.19.8
+	$(PIP) -e '.[dev]'
+	touch $(STAMP)
+
+run: install
+	$(BIN)/gyre run
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	@if [ -f ../shared/tools/check_layers.py ]; then $(BIN)/python ../shared/tools/check_layers.py . && echo "layer rules: ok"; fi
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/gyre bench store
+
+clean:
+	rm -rf $(VENV) gyre-data .pytest_cache .ruff_cache

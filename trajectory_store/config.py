@@ -1,0 +1,61 @@
+"""Typed configuration of the trajectory store's processing: selection and packing.
+
+StoreConfig (where data lives) is in storage.py; flows/config.py composes these into CampaignConfig.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from trajectory_store.schema import ROLES, STATUSES
+
+
+class SelectionConfig(BaseModel):
+    """Which trajectories of an execution are trained on."""
+
+    role_priority: list[str] = Field(
+        default_factory=lambda: ["main", "sub", "main_summary", "sub_summary"],
+        description="roles in order of priority; roles not listed are never selected",
+    )
+    j_max: int = Field(5, ge=1, description="at most this many trajectories per execution")
+    seed: int = Field(0, description="seed of the weighted sampling within a role")
+    trainable_statuses: list[str] = Field(
+        default_factory=lambda: ["completed", "timeout"],
+        description="executions with these statuses are trained on (eval_failed never is)",
+    )
+
+    @field_validator("role_priority")
+    @classmethod
+    def _known_roles(cls, roles: list[str]) -> list[str]:
+        unknown = [r for r in roles if r not in ROLES]
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; expected some of {list(ROLES)}")
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"role_priority lists a role twice: {roles}")
+        return roles
+
+    @field_validator("trainable_statuses")
+    @classmethod
+    def _known_statuses(cls, statuses: list[str]) -> list[str]:
+        unknown = [s for s in statuses if s not in STATUSES]
+        if unknown:
+            raise ValueError(f"unknown statuses {unknown}; expected some of {list(STATUSES)}")
+        if "eval_failed" in statuses:
+            raise ValueError("eval_failed executions have no trustworthy reward and are never trained on")
+        return statuses
+
+
+class PackingConfig(BaseModel):
+    """How training trees become packed sequences for the trainer."""
+
+    token_budget: int = Field(
+        32768, ge=16, description="tokens per packed sequence; must hold the longest selected trajectory"
+    )
+    advantage: Literal["grpo", "mean", "rloo"] = Field(
+        "grpo",
+        description="group-relative advantage: grpo = (r - mean) / (std + eps); mean = r - mean; "
+        "rloo = r - mean of the others in the group",
+    )
+    advantage_eps: float = Field(1e-6, gt=0, description="added to the group std (grpo)")

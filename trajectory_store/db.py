@@ -1,0 +1,75 @@
+"""The one DuckDB connection factory: the store's filesystem, no downloads, the views.
+
+    con = connect(Store(StoreConfig(data_root="s3://bucket/runs")))
+    con.sql("SELECT * FROM trajectories LIMIT 5").show()
+
+Views (trajectory_store/sql/*.sql, run in name order): executions, calls, metrics, call_segments,
+call_prompts, policy_spans, tree_nodes, call_path_policy, trajectories, selected_trajectories,
+training_nodes, training_tokens, execution_stats. Selection settings live in the small tables
+selection_config, role_priority and trainable_statuses, which users can read too.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import duckdb
+import pyarrow as pa
+
+from trajectory_store.config import SelectionConfig
+from trajectory_store.schema import SCHEMAS
+from trajectory_store.storage import KINDS, Store
+
+VIEWS = (
+    "executions",
+    "calls",
+    "metrics",
+    "call_prompts",
+    "tree_nodes",
+    "trajectories",
+    "selected_trajectories",
+    "training_nodes",
+    "training_tokens",
+    "execution_stats",
+)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def connect(
+    store: Store, selection: SelectionConfig | None = None, *, threads: int | None = None
+) -> duckdb.DuckDBPyConnection:
+    selection = selection or SelectionConfig()
+    config = {"autoinstall_known_extensions": "false", "autoload_known_extensions": "false"}
+    if threads:
+        config["threads"] = str(threads)
+    con = duckdb.connect(":memory:", config=config)
+    if not store.is_local:
+        # s3:// (and any other fsspec protocol) is read through the store's own filesystem object,
+        # so DuckDB uses the same endpoint and credentials and never needs the httpfs extension.
+        con.register_filesystem(store.fs)
+    for kind in KINDS:
+        parts = [store.url(p) for p in store.visible_parts(kind)]
+        if parts:
+            listing = ", ".join(_quote(p) for p in parts)
+            columns = ", ".join(SCHEMAS[kind].names)
+            con.execute(
+                f"CREATE OR REPLACE VIEW {kind}_raw AS SELECT {columns} FROM read_parquet([{listing}], union_by_name=true)"
+            )
+        else:
+            empty: pa.Table = SCHEMAS[kind].empty_table()
+            con.register(f"{kind}_empty", empty)
+            con.execute(f"CREATE OR REPLACE TABLE {kind}_raw AS SELECT * FROM {kind}_empty")
+            con.unregister(f"{kind}_empty")
+    con.execute("CREATE TABLE selection_config AS SELECT ?::BIGINT AS j_max, ?::BIGINT AS seed", [selection.j_max, selection.seed])
+    con.execute("CREATE TABLE role_priority (role VARCHAR, priority INTEGER)")
+    con.executemany("INSERT INTO role_priority VALUES (?, ?)", [[r, i] for i, r in enumerate(selection.role_priority)])
+    con.execute("CREATE TABLE trainable_statuses (status VARCHAR)")
+    con.executemany("INSERT INTO trainable_statuses VALUES (?)", [[s] for s in selection.trainable_statuses])
+    sql_dir = resources.files("trajectory_store") / "sql"
+    for entry in sorted(sql_dir.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".sql"):
+            con.execute(entry.read_text())
+    return con

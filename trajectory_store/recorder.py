@@ -1,0 +1,300 @@
+"""The recorder: the API the gateway calls for every model call, buffered and flushed in batches.
+
+    recorder = Recorder(Store(StoreConfig(data_root="./gyre-data")), step=0)
+    recorder.record_call("exec-1", agent_id="main", role="main", prompt_ids=[...], output_ids=[...],
+                         output_logprobs=[...], policy_version=3)
+    recorder.record_execution("exec-1", status="completed", reward=1.0, problem_id="p1", group_id="g1")
+    recorder.flush()   # parts, then the manifest that makes them visible
+
+Each call is stored as a delta against the earlier call of the same execution that shares the
+longest prefix with it (see prefix.py). A record that fails validation is quarantined with its
+reason, the error is raised to the caller, and everything valid is still written.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from trajectory_store.prefix import PrefixIndex
+from trajectory_store.schema import (
+    CALLS_SCHEMA,
+    EXECUTIONS_SCHEMA,
+    SCHEMA_VERSION,
+    CallRecord,
+    ExecutionRecord,
+    RecordError,
+    context_hash,
+    validate_call,
+    validate_execution,
+)
+from trajectory_store.storage import Store, ids_key
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    execution_id: str
+    call_id: int
+    parent_call_id: int | None
+    prefix_len: int
+    n_new_tokens: int
+    context_hash: str
+
+
+@dataclass
+class FlushReport:
+    calls: int = 0
+    executions: int = 0
+    quarantined: int = 0
+    parts: list[str] = field(default_factory=list)
+    manifest: str | None = None
+
+
+@dataclass
+class _ExecutionState:
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    next_call_id: int = 0
+    hashes: dict[int, str] = field(default_factory=dict)  # call_id -> hash of the whole sequence
+
+
+class Recorder:
+    """Thread-safe; one instance per (campaign, step)."""
+
+    def __init__(self, store: Store, step: int, *, flush_calls: int = 2048, flush_tokens: int = 8_000_000):
+        self.store = store
+        self.step = step
+        self.flush_calls = flush_calls
+        self.flush_tokens = flush_tokens
+        self._lock = threading.RLock()
+        self._executions: dict[str, _ExecutionState] = {}
+        self._call_rows: list[dict[str, Any]] = []
+        self._buffered_tokens = 0
+        self._execution_rows: dict[str, dict[str, Any]] = {}
+        self._quarantine: list[dict[str, Any]] = []
+        self.totals = FlushReport()
+
+    # -- calls ---------------------------------------------------------------------------------
+    def record_call(
+        self,
+        execution_id: str,
+        agent_id: str,
+        role: str,
+        prompt_ids: Any,
+        output_ids: Any,
+        output_logprobs: Any,
+        policy_version: int,
+        *,
+        call_id: int | None = None,
+        engine_id: str | None = None,
+        finish_reason: str | None = None,
+        migrated: bool = False,
+        t_start: float | None = None,
+        t_end: float | None = None,
+        context_hash: str | None = None,
+    ) -> RecordedCall:
+        raw = {
+            "execution_id": execution_id,
+            "call_id": call_id,
+            "agent_id": agent_id,
+            "role": role,
+            "prompt_ids": prompt_ids,
+            "output_ids": output_ids,
+            "output_logprobs": output_logprobs,
+            "policy_version": policy_version,
+            "engine_id": engine_id,
+            "finish_reason": finish_reason,
+            "migrated": migrated,
+            "t_start": t_start,
+            "t_end": t_end,
+            "context_hash": context_hash,
+        }
+        return self.record_call_dict(raw)
+
+    def record_call_dict(self, raw: dict[str, Any], *, source: dict[str, Any] | None = None) -> RecordedCall:
+        """Validates and records one call given as a dict (the JSONL interchange form)."""
+        try:
+            call = validate_call(raw, self.store.config.vocab_size)
+            with self._lock:
+                return self._add_call(call)
+        except RecordError as error:
+            self.reject(error, raw, source)
+            raise
+
+    def _add_call(self, call: CallRecord) -> RecordedCall:
+        state = self._executions.setdefault(call.execution_id, _ExecutionState())
+        sequence = call.sequence()
+        call_id = state.next_call_id if call.call_id is None else call.call_id
+        if call_id in state.index:
+            # the same call twice (a retried writer) is a no-op; a different one is an error
+            if state.hashes[call_id] == context_hash(sequence):
+                return RecordedCall(call.execution_id, call_id, None, 0, 0, context_hash(call.prompt_ids))
+            raise RecordError(
+                "call_id already recorded with different tokens",
+                execution_id=call.execution_id,
+                call_id=call_id,
+                field="call_id",
+            )
+        if call_id < state.next_call_id:
+            raise RecordError(
+                f"calls must arrive in call_id order; call {state.next_call_id - 1} was already recorded",
+                execution_id=call.execution_id,
+                call_id=call_id,
+                field="call_id",
+            )
+        prompt_hash = context_hash(call.prompt_ids)
+        attachment, new_ids = state.index.insert(call_id, sequence)
+        state.next_call_id = call_id + 1
+        state.hashes[call_id] = context_hash(sequence)
+        self._call_rows.append(
+            {
+                "execution_id": call.execution_id,
+                "call_id": call_id,
+                "step": self.step,
+                "agent_id": call.agent_id,
+                "role": call.role,
+                "parent_call_id": attachment.parent_call_id,
+                "prefix_len": attachment.prefix_len,
+                "new_ids": new_ids,
+                "prompt_len": len(call.prompt_ids),
+                "output_len": len(call.output_ids),
+                "output_logprobs": call.output_logprobs,
+                "policy_version": call.policy_version,
+                "engine_id": call.engine_id,
+                "context_hash": prompt_hash,
+                "finish_reason": call.finish_reason,
+                "migrated": call.migrated,
+                "t_start": call.t_start,
+                "t_end": call.t_end,
+                "schema_version": SCHEMA_VERSION,
+            }
+        )
+        self._buffered_tokens += len(new_ids) + len(call.output_ids)
+        if len(self._call_rows) >= self.flush_calls or self._buffered_tokens >= self.flush_tokens:
+            self.flush()
+        return RecordedCall(
+            call.execution_id, call_id, attachment.parent_call_id, attachment.prefix_len, len(new_ids), prompt_hash
+        )
+
+    # -- executions ----------------------------------------------------------------------------
+    def record_execution(self, execution_id: str, status: str, **fields: Any) -> None:
+        """Records (or replaces, until flushed) the execution's row; its prefix index is released."""
+        self.record_execution_dict({"execution_id": execution_id, "status": status, **fields})
+
+    def record_execution_dict(self, raw: dict[str, Any], *, source: dict[str, Any] | None = None) -> None:
+        try:
+            record = validate_execution(raw)
+        except RecordError as error:
+            self.reject(error, raw, source)
+            raise
+        with self._lock:
+            self._execution_rows[record.execution_id] = record
+
+    # -- quarantine and flushing ---------------------------------------------------------------
+    def reject(self, error: RecordError, raw: Any, source: dict[str, Any] | None = None) -> None:
+        entry = {**error.as_dict(), "record": _jsonable(raw)}
+        if source:
+            entry.update(source)
+        with self._lock:
+            self._quarantine.append(entry)
+            self.totals.quarantined += 1
+
+    def flush(self) -> FlushReport:
+        """Writes buffered rows as Parquet parts, then the manifest that makes them visible."""
+        with self._lock:
+            report = FlushReport()
+            parts: dict[str, list[str]] = {}
+            rows: dict[str, int] = {}
+            if self._call_rows:
+                table = _calls_table(self._call_rows)
+                key = ids_key([(r["execution_id"], r["call_id"]) for r in self._call_rows])
+                parts["calls"] = [self.store.write_part("calls", self.step, table, key)]
+                rows["calls"] = report.calls = len(self._call_rows)
+            if self._execution_rows:
+                ordered = [self._execution_row(self._execution_rows[k]) for k in sorted(self._execution_rows)]
+                table = pa.Table.from_pylist(ordered, schema=EXECUTIONS_SCHEMA)
+                key = ids_key([(r["execution_id"], r["status"], r["reward"], r["n_calls"]) for r in ordered])
+                parts["executions"] = [self.store.write_part("executions", self.step, table, key)]
+                rows["executions"] = report.executions = len(ordered)
+            if self._quarantine:
+                report.quarantined = len(self._quarantine)
+                self.store.quarantine(self.step, self._quarantine)
+            if parts:
+                report.parts = [p for paths in parts.values() for p in paths]
+                report.manifest = self.store.commit(self.step, parts, rows)
+            self._call_rows = []
+            self._buffered_tokens = 0
+            self._execution_rows = {}
+            self._quarantine = []
+            self.totals.calls += report.calls
+            self.totals.executions += report.executions
+            self.totals.parts += report.parts
+            return report
+
+    def _execution_row(self, record: ExecutionRecord) -> dict[str, Any]:
+        n_calls = record.n_calls
+        state = self._executions.get(record.execution_id)
+        if n_calls is None and state is not None:
+            n_calls = len(state.hashes)
+        return _execution_row(record, self.step, n_calls)
+
+    def forget(self, execution_id: str) -> None:
+        """Releases an execution's prefix index (after its last call)."""
+        with self._lock:
+            self._executions.pop(execution_id, None)
+
+    def close(self) -> FlushReport:
+        report = self.flush()
+        with self._lock:
+            self._executions.clear()
+        return report
+
+
+def _calls_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Builds the calls table column by column: list columns from one concatenated buffer each."""
+    columns: dict[str, Any] = {}
+    for name in CALLS_SCHEMA.names:
+        kind = CALLS_SCHEMA.field(name).type
+        if pa.types.is_list(kind):
+            arrays = [r[name] for r in rows]
+            offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+            np.cumsum([len(a) for a in arrays], out=offsets[1:])
+            dtype = np.int32 if name == "new_ids" else np.float32
+            values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+            columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=kind.value_type))
+        else:
+            columns[name] = pa.array([r[name] for r in rows], type=kind)
+    return pa.Table.from_pydict(columns, schema=CALLS_SCHEMA)
+
+
+def _execution_row(record: ExecutionRecord, step: int, n_calls: int | None) -> dict[str, Any]:
+    return {
+        "execution_id": record.execution_id,
+        "problem_id": record.problem_id,
+        "group_id": record.group_id,
+        "step": step,
+        "harness": record.harness,
+        "status": record.status,
+        "reward": record.reward,
+        "reward_source": record.reward_source,
+        "snapshot_uri": record.snapshot_uri,
+        "started_at": record.started_at,
+        "ended_at": record.ended_at,
+        "n_calls": n_calls,
+        "schema_version": SCHEMA_VERSION,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -1,0 +1,202 @@
+"""Object storage for the trajectory store: any fsspec URL, idempotent atomic writes, manifests.
+
+Layout under ``<data_root>/campaigns/<campaign>/``::
+
+    calls/step=<n>/part-<key>.parquet        delta-encoded calls (schema.CALLS_SCHEMA)
+    executions/step=<n>/part-<key>.parquet   executions (schema.EXECUTIONS_SCHEMA)
+    metrics/step=<n>/part-<key>.parquet      metrics
+    manifests/step=<n>/<key>.json            written LAST: lists the parts a flush made visible
+    quarantine/step=<n>/<key>.jsonl          records that failed validation, with the reason
+    snapshots/<execution_id>.tar.gz          workspace snapshots (later issues)
+
+Readers only see parts listed by a manifest, so a crash between writes leaves nothing partial
+visible. Keys derive from ids (never time or randomness): writing the same rows twice writes the
+same objects again, and one copy stays. Each object is written whole: a temporary name plus a
+rename on a local disk, a single PUT on S3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel, Field
+
+from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, check_table
+
+KINDS = ("executions", "calls", "metrics")
+
+
+class StoreConfig(BaseModel):
+    """Where trajectories live. Credentials fall back to the standard AWS variables when unset."""
+
+    data_root: str = Field("./gyre-data", description="fsspec URL: a local folder or s3://bucket/prefix")
+    campaign: str = Field("default", description="campaign name: one folder under campaigns/")
+    s3_endpoint_url: str | None = Field(None, description="S3 API endpoint (default: AWS or AWS_ENDPOINT_URL)")
+    aws_access_key_id: str | None = Field(None, description="default: AWS_ACCESS_KEY_ID")
+    aws_secret_access_key: str | None = Field(None, description="default: AWS_SECRET_ACCESS_KEY")
+    aws_region: str | None = Field(None, description="default: AWS_DEFAULT_REGION")
+    vocab_size: int | None = Field(None, description="token ids must be below this; None: any int32 >= 0")
+    compression: str = Field("zstd", description="Parquet compression codec")
+
+    def storage_options(self) -> dict[str, Any]:
+        if not self.data_root.startswith("s3://"):
+            return {}
+        options: dict[str, Any] = {}
+        client_kwargs: dict[str, Any] = {}
+        if self.s3_endpoint_url:
+            client_kwargs["endpoint_url"] = self.s3_endpoint_url
+        if self.aws_region:
+            client_kwargs["region_name"] = self.aws_region
+        if client_kwargs:
+            options["client_kwargs"] = client_kwargs
+        if self.aws_access_key_id:
+            options["key"] = self.aws_access_key_id
+        if self.aws_secret_access_key:
+            options["secret"] = self.aws_secret_access_key
+        # a fresh filesystem per store: no cross-test or cross-campaign cache surprises
+        options["skip_instance_cache"] = True
+        options["use_listings_cache"] = False
+        return options
+
+
+def ids_key(*parts: Iterable[Any]) -> str:
+    """A short stable key derived from ids (never from time or randomness)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        for item in part:
+            digest.update(repr(item).encode())
+            digest.update(b"\x00")
+        digest.update(b"\x01")
+    return digest.hexdigest()[:20]
+
+
+class Store:
+    """One campaign's folder in object storage."""
+
+    def __init__(self, config: StoreConfig):
+        self.config = config
+        self.fs, root = fsspec.core.url_to_fs(config.data_root, **config.storage_options())
+        self.protocol = "file" if isinstance(self.fs, LocalFileSystem) else self.fs.protocol
+        if isinstance(self.protocol, tuple | list):
+            self.protocol = self.protocol[0]
+        self.root = root.rstrip("/")
+        self.campaign_dir = f"{self.root}/campaigns/{config.campaign}"
+
+    # -- paths -------------------------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        return "/".join([self.campaign_dir, *parts])
+
+    def url(self, path: str) -> str:
+        """A URL DuckDB can open: a plain path locally, protocol://path otherwise."""
+        return path if self.protocol == "file" else f"{self.protocol}://{path}"
+
+    @property
+    def is_local(self) -> bool:
+        return self.protocol == "file"
+
+    # -- whole-object writes -----------------------------------------------------------------
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Writes an object whole or not at all."""
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    # -- datasets ----------------------------------------------------------------------------
+    def write_part(self, kind: str, step: int, table: pa.Table, key: str) -> str:
+        """Writes one Parquet part; returns its path relative to the campaign folder."""
+        if kind not in SCHEMAS:
+            raise ValueError(f"unknown dataset {kind!r}; expected one of {sorted(SCHEMAS)}")
+        table = table.cast(SCHEMAS[kind])
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer, compression=self.config.compression)
+        rel = f"{kind}/step={step}/part-{key}.parquet"
+        self.write_bytes(self.path(rel), buffer.getvalue())
+        return rel
+
+    def commit(self, step: int, parts: dict[str, list[str]], rows: dict[str, int]) -> str:
+        """Writes the manifest that makes ``parts`` visible. Call it after every part is written."""
+        files = {kind: sorted(set(paths)) for kind, paths in parts.items() if paths}
+        key = ids_key([step], *[[kind, *paths] for kind, paths in sorted(files.items())])
+        manifest = {"schema_version": SCHEMA_VERSION, "step": step, "files": files, "rows": rows}
+        rel = f"manifests/step={step}/{key}.json"
+        self.write_bytes(self.path(rel), json.dumps(manifest, sort_keys=True).encode())
+        return rel
+
+    def manifests(self) -> list[dict[str, Any]]:
+        base = self.path("manifests")
+        if not self.fs.exists(base):
+            return []
+        found = []
+        for path in sorted(self.fs.find(base)):
+            if not path.endswith(".json"):
+                continue  # a temporary file left by a crash is not a manifest
+            found.append(json.loads(self.read_bytes(path)))
+        return found
+
+    def visible_parts(self, kind: str) -> list[str]:
+        """Paths (full, for this filesystem) of the parts that committed manifests list."""
+        rels = sorted({rel for m in self.manifests() for rel in m["files"].get(kind, [])})
+        return [self.path(rel) for rel in rels]
+
+    def steps(self) -> list[int]:
+        return sorted({int(m["step"]) for m in self.manifests()})
+
+    def read_table(self, kind: str) -> pa.Table:
+        """All visible rows of one dataset as one Arrow table (small datasets and tests)."""
+        tables = []
+        for path in self.visible_parts(kind):
+            table = pq.read_table(io.BytesIO(self.read_bytes(path)))
+            check_table(table, kind, path)
+            tables.append(table.select(SCHEMAS[kind].names).cast(SCHEMAS[kind]))
+        if not tables:
+            return SCHEMAS[kind].empty_table()
+        return pa.concat_tables(tables)
+
+    # -- quarantine ----------------------------------------------------------------------------
+    def quarantine(self, step: int, entries: list[dict[str, Any]]) -> str | None:
+        """Keeps records that failed validation, each with the reason; returns the file written."""
+        if not entries:
+            return None
+        lines = [json.dumps(entry, default=_json_default, sort_keys=True) for entry in entries]
+        rel = f"quarantine/step={step}/{ids_key(lines)}.jsonl"
+        self.write_bytes(self.path(rel), ("\n".join(lines) + "\n").encode())
+        return rel
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        base = self.path("quarantine")
+        if not self.fs.exists(base):
+            return []
+        entries = []
+        for path in sorted(self.fs.find(base)):
+            if path.endswith(".jsonl"):
+                entries.extend(json.loads(line) for line in self.read_bytes(path).decode().splitlines() if line)
+        return entries
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
