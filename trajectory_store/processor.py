@@ -317,3 +317,40 @@ def path_to(sequence: PackedSequence, index: int) -> np.ndarray:
         path.append(int(sequence.token_ids[index]))
         index = int(sequence.parent_index[index])
     return np.array(path[::-1], dtype=np.int32)
+
+
+BATCH_COLUMNS = {
+    "token_ids": pa.int32(),
+    "position_ids": pa.int32(),
+    "parent_index": pa.int32(),
+    "loss_mask": pa.bool_(),
+    "weights": pa.float32(),
+    "behaviour_logprobs": pa.float32(),
+    "advantages": pa.float32(),
+    "execution_index": pa.int32(),
+}
+
+
+def batch_to_table(batch: PackedBatch, step: int) -> pa.Table:
+    """One row per packed sequence (list columns), the form the trainer reads from storage."""
+    columns: dict[str, Any] = {
+        "step": pa.array([step] * len(batch.sequences), pa.int32()),
+        "sequence_index": pa.array(range(len(batch.sequences)), pa.int32()),
+    }
+    for name, kind in BATCH_COLUMNS.items():
+        columns[name] = pa.array([getattr(s, name) for s in batch.sequences], pa.list_(kind))
+    columns["executions"] = pa.array([s.executions for s in batch.sequences], pa.list_(pa.string()))
+    columns["leaves"] = pa.array(
+        [[{"execution_id": e, "trajectory_id": t, "index": i} for e, t, i in s.leaves] for s in batch.sequences],
+        pa.list_(pa.struct([("execution_id", pa.string()), ("trajectory_id", pa.int32()), ("index", pa.int32())])),
+    )
+    return pa.table(columns)
+
+
+def table_to_sequences(table: pa.Table) -> list[PackedSequence]:
+    sequences = []
+    for row in table.to_pylist():
+        arrays = {name: np.asarray(row[name], dtype=kind.to_pandas_dtype()) for name, kind in BATCH_COLUMNS.items()}
+        leaves = [(leaf["execution_id"], leaf["trajectory_id"], leaf["index"]) for leaf in row["leaves"]]
+        sequences.append(PackedSequence(**arrays, executions=row["executions"], leaves=leaves))
+    return sequences

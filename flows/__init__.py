@@ -1,0 +1,1 @@
+"""Prefect flows (wiring only), the campaign config and the `gyre` command line."""

@@ -1,0 +1,170 @@
+"""The `gyre` command line.
+
+    gyre run [--config configs/demo.toml]              the demo flow (Prefect, ephemeral mode)
+    gyre traj import FILE.jsonl [--step N]             JSONL interchange -> delta-encoded Parquet
+    gyre traj export OUT.jsonl                         the store -> JSONL (full prompts, exact)
+    gyre traj stats [--format table|json]              per-execution figures
+    gyre traj sample OUT.jsonl [--preset sample]       write a synthetic paper-shaped trace
+    gyre sql [--format table|csv|json] "SQL"           query the views
+    gyre bench store [--quick]                         the storage benchmark
+
+Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
+works, with the standard AWS variables or --s3-endpoint-url) and --campaign NAME.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from flows import settings
+
+VIEWS_HELP = (
+    "views: executions, calls, call_prompts, tree_nodes, trajectories, selected_trajectories, training_nodes, "
+    "training_tokens, execution_stats, metrics"
+)
+
+
+def _store_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-root", default=None, help="fsspec URL (default: $GYRE_DATA_ROOT or ./gyre-data)")
+    parser.add_argument("--campaign", default=None, help="campaign name (default: $GYRE_CAMPAIGN or 'default')")
+    parser.add_argument("--s3-endpoint-url", default=None, help="S3 API endpoint (default: AWS variables)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="refuse token ids at or above this")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gyre",
+        description="gyrerl: elastic RL for xLong-horizon agents. Trajectories as Parquet, trees in DuckDB.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run the demo flow (import the sample trace, trees, select, pack)")
+    run.add_argument("--config", default="configs/demo.toml", help="campaign config (TOML)")
+    run.add_argument("--data-root", default=None, help="override [store].data_root")
+    run.add_argument("--trace", default=None, help="JSONL trace to import (default: the bundled sample)")
+
+    traj = commands.add_parser("traj", help="import, export and summarize trajectories")
+    traj_commands = traj.add_subparsers(dest="traj_command", required=True, metavar="SUBCOMMAND")
+    imp = traj_commands.add_parser("import", help="import a JSONL trace (full prompt ids per call)")
+    imp.add_argument("file")
+    _store_options(imp)
+    imp.add_argument("--step", type=int, default=None, help="store as this step (default: each record's step, or 0)")
+    exp = traj_commands.add_parser("export", help="export the campaign as JSONL with full prompts")
+    _store_options(exp)
+    exp.add_argument("out")
+    stats = traj_commands.add_parser("stats", help="per-execution token, tree and storage figures")
+    _store_options(stats)
+    stats.add_argument("--format", choices=["table", "json"], default="table")
+    sample = traj_commands.add_parser("sample", help="write a synthetic, paper-shaped trace as JSONL")
+    sample.add_argument("out")
+    sample.add_argument("--preset", choices=["sample", "quick", "full"], default="sample")
+
+    sql = commands.add_parser("sql", help="run SQL over the trajectory views", epilog=VIEWS_HELP)
+    _store_options(sql)
+    sql.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    sql.add_argument("query")
+
+    bench = commands.add_parser("bench", help="benchmarks (print figures, write bench/results/*.json)")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    store_bench = bench_commands.add_parser("store", help="storage: bytes per unique token, import, trees")
+    store_bench.add_argument("--quick", action="store_true", help="a small workload (under a minute)")
+    store_bench.add_argument("--out", default="bench/results/store.json")
+    return parser
+
+
+def _store_config(args: argparse.Namespace):  # -> StoreConfig (imported lazily: prefect is slow to import)
+    from tasks.trajectory import StoreConfig
+
+    return StoreConfig(
+        data_root=args.data_root or settings.default_data_root(),
+        campaign=args.campaign or settings.default_campaign(),
+        s3_endpoint_url=args.s3_endpoint_url,
+        vocab_size=args.vocab_size,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    data_root = getattr(args, "data_root", None) or settings.default_data_root()
+    settings.configure_prefect(data_root)
+    try:
+        return _dispatch(args)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        print(f"gyre: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return _run(args)
+    if args.command == "bench":
+        from bench.store import main as bench_store
+
+        return bench_store(quick=args.quick, out=args.out)
+    if args.command == "traj" and args.traj_command == "sample":
+        from tasks.trajectory import write_synthetic_trace
+
+        lines = write_synthetic_trace.fn(args.preset, args.out)
+        print(f"wrote {lines} records ({args.preset} preset) to {args.out}")
+        return 0
+
+    from tasks import trajectory as t
+
+    store = _store_config(args)
+    if args.command == "sql":
+        result = t.run_sql.fn(store, t.SelectionConfig(), args.query)
+        from flows.format import render
+
+        print(render(result.columns, result.rows, args.format))
+        return 0
+    if args.traj_command == "import":
+        summary = t.import_trace.fn(args.file, store, args.step)
+        print(
+            f"imported {summary.executions} executions, {summary.calls} calls into {store.data_root} "
+            f"(campaign {store.campaign}): {summary.naive_tokens} tokens as sent, {summary.unique_tokens} unique"
+            + (f" ({summary.naive_tokens / summary.unique_tokens:.1f}x)" if summary.unique_tokens else "")
+        )
+        if summary.quarantined:
+            for error in summary.errors:
+                print(f"gyre: error: {error}", file=sys.stderr)
+            print(
+                f"gyre: {summary.quarantined} record(s) quarantined under quarantine/ with the reason; "
+                "every valid record was imported",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    if args.traj_command == "export":
+        counts = t.export_trace.fn(store, args.out)
+        print(f"exported {counts['executions']} executions, {counts['calls']} calls to {args.out}")
+        return 0
+    if args.traj_command == "stats":
+        result = t.execution_stats.fn(store, t.SelectionConfig())
+        if args.format == "json":
+            print(json.dumps([dict(zip(result.columns, row, strict=True)) for row in result.rows], indent=1))
+        else:
+            from flows.format import render
+
+            print(render(result.columns, result.rows))
+        return 0
+    raise ValueError(f"unknown command {args.command!r}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flows.config import CampaignConfig
+    from flows.demo import store_demo
+
+    config = CampaignConfig.from_toml(args.config)
+    if args.data_root:
+        config.store.data_root = args.data_root
+    if args.trace:
+        config.trace = args.trace
+    store_demo(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prefect tasks: thin, typed, retry-safe wrappers over the layers below (flows call only these)."""

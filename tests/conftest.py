@@ -1,0 +1,66 @@
+"""Shared fixtures: a real Prefect test harness (one per session: each costs seconds), a real S3 API
+server on loopback (moto's ThreadedMotoServer), and temporary stores."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 API server on 127.0.0.1 (not a mocked client): s3fs and boto3 talk HTTP to it."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket on the loopback S3 server; returns (endpoint, bucket name)."""
+    import boto3
+
+    name = "gyre-" + request.node.name.lower().replace("_", "-")[:40].strip("-")
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    client.create_bucket(Bucket=name)
+    return s3_server, name
+
+
+@pytest.fixture
+def store_config(tmp_path):
+    from trajectory_store.storage import StoreConfig
+
+    return StoreConfig(data_root=str(tmp_path / "data"), campaign="test")
