@@ -28,8 +28,12 @@ VIEWS_HELP = (
 
 
 def _store_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-root", default=None, help="fsspec URL (default: $GYRE_DATA_ROOT or ./gyre-data)")
-    parser.add_argument("--campaign", default=None, help="campaign name (default: $GYRE_CAMPAIGN or 'default')")
+    parser.add_argument(
+        "--data-root", default=None, help="fsspec URL (default: $GYRE_DATA_ROOT or ./gyre-data)"
+    )
+    parser.add_argument(
+        "--campaign", default=None, help="campaign name (default: $GYRE_CAMPAIGN or 'default')"
+    )
     parser.add_argument("--s3-endpoint-url", default=None, help="S3 API endpoint (default: AWS variables)")
     parser.add_argument("--vocab-size", type=int, default=None, help="refuse token ids at or above this")
 
@@ -51,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp = traj_commands.add_parser("import", help="import a JSONL trace (full prompt ids per call)")
     imp.add_argument("file")
     _store_options(imp)
-    imp.add_argument("--step", type=int, default=None, help="store as this step (default: each record's step, or 0)")
+    imp.add_argument(
+        "--step", type=int, default=None, help="store as this step (default: each record's step, or 0)"
+    )
     exp = traj_commands.add_parser("export", help="export the campaign as JSONL with full prompts")
     _store_options(exp)
     exp.add_argument("out")

@@ -18,7 +18,9 @@ from tasks.trajectory import PackingConfig, SelectionConfig, StoreConfig
 
 class CampaignConfig(BaseModel):
     name: str = Field("demo", description="a name for the people watching the run")
-    trace: str | None = Field(None, description="JSONL trace the store demo imports (default: the bundled sample)")
+    trace: str | None = Field(
+        None, description="JSONL trace the store demo imports (default: the bundled sample)"
+    )
     store: StoreConfig = Field(default_factory=StoreConfig)
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     packing: PackingConfig = Field(default_factory=PackingConfig)

@@ -58,7 +58,9 @@ def store_demo(config: CampaignConfig) -> DemoSummary:
         f"trees: {trees.tree_nodes} nodes, {trees.policy_tokens} policy tokens, {trees.trajectories} trajectories; "
         f"{trees.prompts_verified} prompts rebuilt and verified against context_hash"
     )
-    print(f"selected {selection.selected} trajectories {selection.by_role}, {selection.training_tokens} training tokens")
+    print(
+        f"selected {selection.selected} trajectories {selection.by_role}, {selection.training_tokens} training tokens"
+    )
     print(
         f"packed step 0: {packed.sequences} sequences, {packed.tokens} tokens ({packed.target_tokens} targets, "
         f"{packed.repeated_tokens} repeated ancestors) -> {packed.uri}"

@@ -14,10 +14,7 @@ MAX_CELL = 60
 def _cell(value: Any) -> str:
     if value is None:
         return "NULL"
-    if isinstance(value, float):
-        text = f"{value:.6g}"
-    else:
-        text = str(value)
+    text = f"{value:.6g}" if isinstance(value, float) else str(value)
     return text if len(text) <= MAX_CELL else text[: MAX_CELL - 3] + "..."
 
 
@@ -34,7 +31,9 @@ def render(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str = "ta
         raise ValueError(f"unknown format {fmt!r}; expected table, csv or json")
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
-    numeric = [all(isinstance(row[i], int | float) or row[i] is None for row in rows) for i in range(len(columns))]
+    numeric = [
+        all(isinstance(row[i], int | float) or row[i] is None for row in rows) for i in range(len(columns))
+    ]
 
     def line(values: Sequence[str]) -> str:
         return "  ".join(

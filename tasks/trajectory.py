@@ -21,8 +21,8 @@ from trajectory_store.interchange import export_jsonl, import_jsonl
 from trajectory_store.processor import batch_to_table, pack
 from trajectory_store.schema import RecordError, context_hash
 from trajectory_store.storage import Store, StoreConfig
-from trajectory_store.synth import preset, write_jsonl
 from trajectory_store.synth import generate as generate_trace
+from trajectory_store.synth import preset, write_jsonl
 
 __all__ = ["PackingConfig", "SelectionConfig", "StoreConfig"]
 
@@ -115,14 +115,16 @@ def rebuild_trees(store: StoreConfig, selection: SelectionConfig) -> TreeSummary
         "WHERE len(p.prompt_ids) <> c.prompt_len ORDER BY ALL LIMIT 1"
     ).fetchall()
     if bad:
-        raise RecordError("the rebuilt prompt has the wrong length", execution_id=bad[0][0], call_id=bad[0][1])
+        raise RecordError(
+            "the rebuilt prompt has the wrong length", execution_id=bad[0][0], call_id=bad[0][1]
+        )
     verified = _verify_prompt_hashes(con)
     row = con.execute(
         """SELECT (SELECT count(*) FROM executions), (SELECT count(*) FROM calls), count(*),
                   coalesce(sum(n_tokens), 0), coalesce(sum(n_tokens) FILTER (WHERE is_policy), 0),
                   (SELECT count(*) FROM trajectories)
            FROM tree_nodes"""
-    ).fetchone()
+    ).fetchall()[0]
     return TreeSummary(
         executions=row[0],
         calls=row[1],
@@ -143,8 +145,12 @@ def _verify_prompt_hashes(con: Any) -> int:
         values = prompts.flatten().to_numpy()
         offsets = prompts.offsets.to_numpy() - prompts.offsets[0].as_py()
         for i, (execution_id, call_id, expected) in enumerate(
-            zip(batch.column("execution_id").to_pylist(), batch.column("call_id").to_pylist(),
-                batch.column("context_hash").to_pylist(), strict=True)
+            zip(
+                batch.column("execution_id").to_pylist(),
+                batch.column("call_id").to_pylist(),
+                batch.column("context_hash").to_pylist(),
+                strict=True,
+            )
         ):
             if context_hash(np.asarray(values[offsets[i] : offsets[i + 1]])) != expected:
                 raise RecordError(
@@ -160,13 +166,17 @@ def _verify_prompt_hashes(con: Any) -> int:
 @task(name="select-trajectories", task_run_name="select trajectories of {store.campaign}")
 def select_trajectories(store: StoreConfig, selection: SelectionConfig) -> SelectionSummary:
     con = connect(Store(store), selection)
-    by_role = dict(con.sql("SELECT role, count(*) FROM selected_trajectories GROUP BY ALL ORDER BY 1").fetchall())
-    tokens = con.execute("SELECT count(*) FROM training_tokens").fetchone()[0]
+    by_role = dict(
+        con.sql("SELECT role, count(*) FROM selected_trajectories GROUP BY ALL ORDER BY 1").fetchall()
+    )
+    tokens = con.execute("SELECT count(*) FROM training_tokens").fetchall()[0][0]
     return SelectionSummary(selected=sum(by_role.values()), by_role=by_role, training_tokens=tokens)
 
 
 @task(name="pack-step", task_run_name="pack step {step} of {store.campaign}", retries=2)
-def pack_step(store: StoreConfig, selection: SelectionConfig, packing: PackingConfig, step: int) -> PackSummary:
+def pack_step(
+    store: StoreConfig, selection: SelectionConfig, packing: PackingConfig, step: int
+) -> PackSummary:
     """Packs one step's training trees and writes them to batches/step=<n>/packed.parquet."""
     target = Store(store)
     batch = pack(connect(target, selection), packing, step=step)

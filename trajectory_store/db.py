@@ -56,16 +56,22 @@ def connect(
             listing = ", ".join(_quote(p) for p in parts)
             columns = ", ".join(SCHEMAS[kind].names)
             con.execute(
-                f"CREATE OR REPLACE VIEW {kind}_raw AS SELECT {columns} FROM read_parquet([{listing}], union_by_name=true)"
+                f"CREATE OR REPLACE VIEW {kind}_raw AS SELECT {columns}, filename "
+                f"FROM read_parquet([{listing}], union_by_name=true, filename=true)"
             )
         else:
-            empty: pa.Table = SCHEMAS[kind].empty_table()
+            empty: pa.Table = SCHEMAS[kind].empty_table().append_column("filename", pa.array([], pa.string()))
             con.register(f"{kind}_empty", empty)
             con.execute(f"CREATE OR REPLACE TABLE {kind}_raw AS SELECT * FROM {kind}_empty")
             con.unregister(f"{kind}_empty")
-    con.execute("CREATE TABLE selection_config AS SELECT ?::BIGINT AS j_max, ?::BIGINT AS seed", [selection.j_max, selection.seed])
+    con.execute(
+        "CREATE TABLE selection_config AS SELECT ?::BIGINT AS j_max, ?::BIGINT AS seed",
+        [selection.j_max, selection.seed],
+    )
     con.execute("CREATE TABLE role_priority (role VARCHAR, priority INTEGER)")
-    con.executemany("INSERT INTO role_priority VALUES (?, ?)", [[r, i] for i, r in enumerate(selection.role_priority)])
+    con.executemany(
+        "INSERT INTO role_priority VALUES (?, ?)", [[r, i] for i, r in enumerate(selection.role_priority)]
+    )
     con.execute("CREATE TABLE trainable_statuses (status VARCHAR)")
     con.executemany("INSERT INTO trainable_statuses VALUES (?)", [[s] for s in selection.trainable_statuses])
     sql_dir = resources.files("trajectory_store") / "sql"

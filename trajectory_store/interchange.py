@@ -39,7 +39,9 @@ class ImportReport:
     errors: list[str] = field(default_factory=list)  # the first few, for the console
 
 
-def import_jsonl(store: Store, path: str, step: int | None = None, *, max_errors_kept: int = 20) -> ImportReport:
+def import_jsonl(
+    store: Store, path: str, step: int | None = None, *, max_errors_kept: int = 20
+) -> ImportReport:
     """Imports one JSONL file: as step ``step``, or at each record's own "step" (default 0)."""
     report = ImportReport(path=str(path), step=step)
     recorders: dict[int, Recorder] = {}
@@ -144,7 +146,9 @@ def rebuild_prompt(store: Store, execution_id: str, call_id: int) -> np.ndarray:
 
 
 def _dedupe_calls(calls: pa.Table) -> pa.Table:
-    keys = list(zip(calls.column("execution_id").to_pylist(), calls.column("call_id").to_pylist(), strict=True))
+    keys = list(
+        zip(calls.column("execution_id").to_pylist(), calls.column("call_id").to_pylist(), strict=True)
+    )
     seen: set[tuple[str, int]] = set()
     keep = []
     for i, key in enumerate(keys):
@@ -184,7 +188,9 @@ def export_jsonl(store: Store, out_path: str) -> dict[str, int]:
                     "role": row["role"],
                     "prompt_ids": sequence[:prompt_len],
                     "output_ids": sequence[prompt_len:],
-                    "output_logprobs": np.asarray(row["output_logprobs"], dtype=np.float32).astype(np.float64),
+                    "output_logprobs": np.asarray(row["output_logprobs"], dtype=np.float32).astype(
+                        np.float64
+                    ),
                     "policy_version": row["policy_version"],
                     "engine_id": row["engine_id"],
                     "finish_reason": row["finish_reason"],

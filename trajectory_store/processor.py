@@ -119,13 +119,17 @@ class _SequenceBuilder:
             self.executions.append(execution_id)
         return len(self.executions) - 1
 
-    def add_node(self, tree: _Tree, node: int, parent_at: int, targets: bool, weight: float, advantage: float) -> int:
+    def add_node(
+        self, tree: _Tree, node: int, parent_at: int, targets: bool, weight: float, advantage: float
+    ) -> int:
         n = int(tree.lengths[node])
         start = int(tree.starts[node])
         first = self.length
         policy = bool(tree.policy[node]) and targets
         self.pieces["token_ids"].append(tree.tokens[start : start + n])
-        self.pieces["position_ids"].append(np.arange(tree.depths[node], tree.depths[node] + n, dtype=np.int32))
+        self.pieces["position_ids"].append(
+            np.arange(tree.depths[node], tree.depths[node] + n, dtype=np.int32)
+        )
         parents = np.arange(first - 1, first + n - 1, dtype=np.int32)
         parents[0] = parent_at
         self.pieces["parent_index"].append(parents)
@@ -134,7 +138,9 @@ class _SequenceBuilder:
         logprobs = tree.logprobs[start : start + n] if policy else np.zeros(n, dtype=np.float32)
         self.pieces["behaviour_logprobs"].append(logprobs)
         self.pieces["advantages"].append(np.full(n, advantage if policy else 0.0, dtype=np.float32))
-        self.pieces["execution_index"].append(np.full(n, self.execution_slot(tree.execution_id), dtype=np.int32))
+        self.pieces["execution_index"].append(
+            np.full(n, self.execution_slot(tree.execution_id), dtype=np.int32)
+        )
         self.length += n
         self.placed[(tree.execution_id, node)] = self.length - 1
         return self.length - 1
@@ -213,7 +219,9 @@ def pack(
         f"SELECT execution_id, coalesce(group_id, problem_id, execution_id) AS grp, reward, status "
         f"FROM executions e {step_filter} ORDER BY execution_id"
     ).fetchall()
-    trainable = {row[0] for row in con.sql("SELECT DISTINCT execution_id FROM selected_trajectories").fetchall()}
+    trainable = {
+        row[0] for row in con.sql("SELECT DISTINCT execution_id FROM selected_trajectories").fetchall()
+    }
     skipped: dict[str, str] = {}
     rewards: dict[str, tuple[str, float]] = {}
     for execution_id, group, reward, status in executions:
@@ -341,8 +349,13 @@ def batch_to_table(batch: PackedBatch, step: int) -> pa.Table:
         columns[name] = pa.array([getattr(s, name) for s in batch.sequences], pa.list_(kind))
     columns["executions"] = pa.array([s.executions for s in batch.sequences], pa.list_(pa.string()))
     columns["leaves"] = pa.array(
-        [[{"execution_id": e, "trajectory_id": t, "index": i} for e, t, i in s.leaves] for s in batch.sequences],
-        pa.list_(pa.struct([("execution_id", pa.string()), ("trajectory_id", pa.int32()), ("index", pa.int32())])),
+        [
+            [{"execution_id": e, "trajectory_id": t, "index": i} for e, t, i in s.leaves]
+            for s in batch.sequences
+        ],
+        pa.list_(
+            pa.struct([("execution_id", pa.string()), ("trajectory_id", pa.int32()), ("index", pa.int32())])
+        ),
     )
     return pa.table(columns)
 
@@ -350,7 +363,9 @@ def batch_to_table(batch: PackedBatch, step: int) -> pa.Table:
 def table_to_sequences(table: pa.Table) -> list[PackedSequence]:
     sequences = []
     for row in table.to_pylist():
-        arrays = {name: np.asarray(row[name], dtype=kind.to_pandas_dtype()) for name, kind in BATCH_COLUMNS.items()}
+        arrays = {
+            name: np.asarray(row[name], dtype=kind.to_pandas_dtype()) for name, kind in BATCH_COLUMNS.items()
+        }
         leaves = [(leaf["execution_id"], leaf["trajectory_id"], leaf["index"]) for leaf in row["leaves"]]
         sequences.append(PackedSequence(**arrays, executions=row["executions"], leaves=leaves))
     return sequences

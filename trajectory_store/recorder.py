@@ -13,6 +13,7 @@ reason, the error is raised to the caller, and everything valid is still written
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,6 @@ from trajectory_store.schema import (
     CallRecord,
     ExecutionRecord,
     RecordError,
-    context_hash,
     validate_call,
     validate_execution,
 )
@@ -128,10 +128,11 @@ class Recorder:
         state = self._executions.setdefault(call.execution_id, _ExecutionState())
         sequence = call.sequence()
         call_id = state.next_call_id if call.call_id is None else call.call_id
+        prompt_hash, sequence_hash = _hashes(call.prompt_ids, call.output_ids)
         if call_id in state.index:
             # the same call twice (a retried writer) is a no-op; a different one is an error
-            if state.hashes[call_id] == context_hash(sequence):
-                return RecordedCall(call.execution_id, call_id, None, 0, 0, context_hash(call.prompt_ids))
+            if state.hashes[call_id] == sequence_hash:
+                return RecordedCall(call.execution_id, call_id, None, 0, 0, prompt_hash)
             raise RecordError(
                 "call_id already recorded with different tokens",
                 execution_id=call.execution_id,
@@ -145,10 +146,9 @@ class Recorder:
                 call_id=call_id,
                 field="call_id",
             )
-        prompt_hash = context_hash(call.prompt_ids)
         attachment, new_ids = state.index.insert(call_id, sequence)
         state.next_call_id = call_id + 1
-        state.hashes[call_id] = context_hash(sequence)
+        state.hashes[call_id] = sequence_hash
         self._call_rows.append(
             {
                 "execution_id": call.execution_id,
@@ -176,7 +176,12 @@ class Recorder:
         if len(self._call_rows) >= self.flush_calls or self._buffered_tokens >= self.flush_tokens:
             self.flush()
         return RecordedCall(
-            call.execution_id, call_id, attachment.parent_call_id, attachment.prefix_len, len(new_ids), prompt_hash
+            call.execution_id,
+            call_id,
+            attachment.parent_call_id,
+            attachment.prefix_len,
+            len(new_ids),
+            prompt_hash,
         )
 
     # -- executions ----------------------------------------------------------------------------
@@ -253,6 +258,14 @@ class Recorder:
         return report
 
 
+def _hashes(prompt_ids: np.ndarray, output_ids: np.ndarray) -> tuple[str, str]:
+    """(context_hash of the prompt, hash of prompt + output) in one pass over the tokens."""
+    digest = hashlib.blake2b(np.ascontiguousarray(prompt_ids, dtype="<i4").tobytes(), digest_size=16)
+    prompt_hash = digest.hexdigest()
+    digest.update(np.ascontiguousarray(output_ids, dtype="<i4").tobytes())
+    return prompt_hash, digest.hexdigest()
+
+
 def _calls_table(rows: list[dict[str, Any]]) -> pa.Table:
     """Builds the calls table column by column: list columns from one concatenated buffer each."""
     columns: dict[str, Any] = {}
@@ -264,7 +277,9 @@ def _calls_table(rows: list[dict[str, Any]]) -> pa.Table:
             np.cumsum([len(a) for a in arrays], out=offsets[1:])
             dtype = np.int32 if name == "new_ids" else np.float32
             values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-            columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=kind.value_type))
+            columns[name] = pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(values, type=kind.value_type)
+            )
         else:
             columns[name] = pa.array([r[name] for r in rows], type=kind)
     return pa.Table.from_pydict(columns, schema=CALLS_SCHEMA)

@@ -92,7 +92,9 @@ SCHEMAS = {"executions": EXECUTIONS_SCHEMA, "calls": CALLS_SCHEMA, "metrics": ME
 class RecordError(ValueError):
     """A record that cannot be stored or read back; says which execution, call and field."""
 
-    def __init__(self, reason: str, *, execution_id: Any = None, call_id: Any = None, field: str | None = None):
+    def __init__(
+        self, reason: str, *, execution_id: Any = None, call_id: Any = None, field: str | None = None
+    ):
         self.reason = reason
         self.execution_id = execution_id
         self.call_id = call_id
@@ -167,16 +169,25 @@ def _require(record: dict, name: str, execution_id: Any, call_id: Any = None) ->
     return record[name]
 
 
-def _token_array(value: Any, name: str, execution_id: Any, call_id: Any, vocab_size: int | None) -> np.ndarray:
+def _token_array(
+    value: Any, name: str, execution_id: Any, call_id: Any, vocab_size: int | None
+) -> np.ndarray:
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError) as exc:
-        raise RecordError(f"not a list of token ids ({exc})", execution_id=execution_id, call_id=call_id, field=name)
+        raise RecordError(
+            f"not a list of token ids ({exc})", execution_id=execution_id, call_id=call_id, field=name
+        ) from None
     if arr.ndim != 1:
-        raise RecordError("must be a flat list of token ids", execution_id=execution_id, call_id=call_id, field=name)
+        raise RecordError(
+            "must be a flat list of token ids", execution_id=execution_id, call_id=call_id, field=name
+        )
     if arr.size and arr.dtype.kind not in "iu":
         raise RecordError(
-            f"token ids must be integers, got {arr.dtype}", execution_id=execution_id, call_id=call_id, field=name
+            f"token ids must be integers, got {arr.dtype}",
+            execution_id=execution_id,
+            call_id=call_id,
+            field=name,
         )
     if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
@@ -184,7 +195,10 @@ def _token_array(value: Any, name: str, execution_id: Any, call_id: Any, vocab_s
         if lo < 0:
             at = int(np.argmax(arr < 0))
             raise RecordError(
-                f"negative token id {lo} at position {at}", execution_id=execution_id, call_id=call_id, field=name
+                f"negative token id {lo} at position {at}",
+                execution_id=execution_id,
+                call_id=call_id,
+                field=name,
             )
         if hi >= limit:
             at = int(np.argmax(arr >= limit))
@@ -202,16 +216,22 @@ def _optional_float(record: dict, name: str, execution_id: Any, call_id: Any = N
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RecordError(f"must be a number, got {value!r}", execution_id=execution_id, call_id=call_id, field=name)
+        raise RecordError(
+            f"must be a number, got {value!r}", execution_id=execution_id, call_id=call_id, field=name
+        )
     if not math.isfinite(value):
-        raise RecordError(f"must be finite, got {value!r}", execution_id=execution_id, call_id=call_id, field=name)
+        raise RecordError(
+            f"must be finite, got {value!r}", execution_id=execution_id, call_id=call_id, field=name
+        )
     return float(value)
 
 
 def _optional_str(record: dict, name: str, execution_id: Any, call_id: Any = None) -> str | None:
     value = record.get(name)
     if value is not None and not isinstance(value, str):
-        raise RecordError(f"must be a string, got {value!r}", execution_id=execution_id, call_id=call_id, field=name)
+        raise RecordError(
+            f"must be a string, got {value!r}", execution_id=execution_id, call_id=call_id, field=name
+        )
     return value
 
 
@@ -230,7 +250,9 @@ def validate_call(record: dict, vocab_size: int | None = None) -> CallRecord:
     execution_id = _check_id(_require(record, "execution_id", None), "execution_id")
     call_id = record.get("call_id")
     if call_id is not None and (isinstance(call_id, bool) or not isinstance(call_id, int) or call_id < 0):
-        raise RecordError("must be a non-negative integer", execution_id=execution_id, call_id=call_id, field="call_id")
+        raise RecordError(
+            "must be a non-negative integer", execution_id=execution_id, call_id=call_id, field="call_id"
+        )
     role = _require(record, "role", execution_id, call_id)
     if role not in ROLES:
         raise RecordError(
@@ -242,10 +264,14 @@ def validate_call(record: dict, vocab_size: int | None = None) -> CallRecord:
     agent_id = record.get("agent_id") or ("main" if role.startswith("main") else "sub")
     if not isinstance(agent_id, str):
         raise RecordError("must be a string", execution_id=execution_id, call_id=call_id, field="agent_id")
-    prompt = _token_array(_require(record, "prompt_ids", execution_id, call_id), "prompt_ids", execution_id, call_id, vocab_size)
+    prompt = _token_array(
+        _require(record, "prompt_ids", execution_id, call_id), "prompt_ids", execution_id, call_id, vocab_size
+    )
     if prompt.size == 0:
         raise RecordError("prompt is empty", execution_id=execution_id, call_id=call_id, field="prompt_ids")
-    output = _token_array(_require(record, "output_ids", execution_id, call_id), "output_ids", execution_id, call_id, vocab_size)
+    output = _token_array(
+        _require(record, "output_ids", execution_id, call_id), "output_ids", execution_id, call_id, vocab_size
+    )
     logprobs = np.asarray(_require(record, "output_logprobs", execution_id, call_id), dtype=np.float64)
     if logprobs.ndim != 1 or logprobs.size != output.size:
         raise RecordError(
@@ -256,7 +282,10 @@ def validate_call(record: dict, vocab_size: int | None = None) -> CallRecord:
         )
     if logprobs.size and (not np.all(np.isfinite(logprobs)) or logprobs.max() > 1e-4):
         raise RecordError(
-            "logprobs must be finite and <= 0", execution_id=execution_id, call_id=call_id, field="output_logprobs"
+            "logprobs must be finite and <= 0",
+            execution_id=execution_id,
+            call_id=call_id,
+            field="output_logprobs",
         )
     version = _require(record, "policy_version", execution_id, call_id)
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_TOKEN_ID:
@@ -269,11 +298,16 @@ def validate_call(record: dict, vocab_size: int | None = None) -> CallRecord:
     given_hash = _optional_str(record, "context_hash", execution_id, call_id)
     if given_hash is not None and given_hash != context_hash(prompt):
         raise RecordError(
-            "prompt_ids contradict the given context_hash", execution_id=execution_id, call_id=call_id, field="context_hash"
+            "prompt_ids contradict the given context_hash",
+            execution_id=execution_id,
+            call_id=call_id,
+            field="context_hash",
         )
     migrated = record.get("migrated", False)
     if not isinstance(migrated, bool):
-        raise RecordError("must be true or false", execution_id=execution_id, call_id=call_id, field="migrated")
+        raise RecordError(
+            "must be true or false", execution_id=execution_id, call_id=call_id, field="migrated"
+        )
     return CallRecord(
         execution_id=execution_id,
         call_id=call_id,
@@ -298,7 +332,9 @@ def validate_execution(record: dict) -> ExecutionRecord:
     status = _require(record, "status", execution_id)
     if status not in STATUSES:
         raise RecordError(
-            f"unknown status {status!r} (expected one of {', '.join(STATUSES)})", execution_id=execution_id, field="status"
+            f"unknown status {status!r} (expected one of {', '.join(STATUSES)})",
+            execution_id=execution_id,
+            field="status",
         )
     reward_source = _optional_str(record, "reward_source", execution_id)
     if reward_source is not None and reward_source not in REWARD_SOURCES:
@@ -349,4 +385,6 @@ def check_table(table: pa.Table, kind: str, where: str) -> None:
         raise RecordError(f"{where}: {kind} file lacks columns {missing}")
     versions = set(table.column("schema_version").to_pylist())
     if versions - {SCHEMA_VERSION}:
-        raise RecordError(f"{where}: {kind} file has schema_version {sorted(versions)}, this gyrerl reads {SCHEMA_VERSION}")
+        raise RecordError(
+            f"{where}: {kind} file has schema_version {sorted(versions)}, this gyrerl reads {SCHEMA_VERSION}"
+        )

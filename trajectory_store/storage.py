@@ -41,7 +41,9 @@ class StoreConfig(BaseModel):
 
     data_root: str = Field("./gyre-data", description="fsspec URL: a local folder or s3://bucket/prefix")
     campaign: str = Field("default", description="campaign name: one folder under campaigns/")
-    s3_endpoint_url: str | None = Field(None, description="S3 API endpoint (default: AWS or AWS_ENDPOINT_URL)")
+    s3_endpoint_url: str | None = Field(
+        None, description="S3 API endpoint (default: AWS or AWS_ENDPOINT_URL)"
+    )
     aws_access_key_id: str | None = Field(None, description="default: AWS_ACCESS_KEY_ID")
     aws_secret_access_key: str | None = Field(None, description="default: AWS_SECRET_ACCESS_KEY")
     aws_region: str | None = Field(None, description="default: AWS_DEFAULT_REGION")
@@ -192,7 +194,9 @@ class Store:
         entries = []
         for path in sorted(self.fs.find(base)):
             if path.endswith(".jsonl"):
-                entries.extend(json.loads(line) for line in self.read_bytes(path).decode().splitlines() if line)
+                entries.extend(
+                    json.loads(line) for line in self.read_bytes(path).decode().splitlines() if line
+                )
         return entries
 
 

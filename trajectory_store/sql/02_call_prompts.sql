@@ -10,15 +10,16 @@ WITH RECURSIVE chain(execution_id, call_id, owner, upto) AS (
     WHERE s.parent_call_id IS NOT NULL
 ),
 pieces AS (
-    SELECT ch.execution_id, ch.call_id, s.seg_start, list_slice(s.new_ids, 1, ch.upto - s.seg_start) AS piece
+    SELECT ch.execution_id, ch.call_id, c.prefix_len AS seg_start,
+           list_slice(c.new_ids, 1, ch.upto - c.prefix_len) AS piece
     FROM chain ch
-    JOIN call_segments s ON s.execution_id = ch.execution_id AND s.call_id = ch.owner
+    JOIN calls c ON c.execution_id = ch.execution_id AND c.call_id = ch.owner
 )
 SELECT
     p.execution_id,
     p.call_id,
-    list_slice(flatten(list(p.piece ORDER BY p.seg_start)), 1, any_value(c.prompt_len)) AS prompt_ids,
-    any_value(c.context_hash) AS context_hash
+    list_slice(flatten(list(p.piece ORDER BY p.seg_start)), 1, any_value(s.prompt_len)) AS prompt_ids,
+    any_value(s.context_hash) AS context_hash
 FROM pieces p
-JOIN calls c ON c.execution_id = p.execution_id AND c.call_id = p.call_id
+JOIN call_segments s ON s.execution_id = p.execution_id AND s.call_id = p.call_id
 GROUP BY p.execution_id, p.call_id;

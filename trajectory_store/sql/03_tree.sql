@@ -1,6 +1,7 @@
 -- The prefix-shared tree of each execution. Its trie nodes are tokens; tree_nodes are maximal runs
 -- of tokens inside one call's own segment that are all policy or all context, cut wherever
 -- another call branches off. A token is policy when it lies in the output of at least one call.
+-- node_id = (owner call id << 32) | depth of the node's first token.
 
 -- Output spans: call gen_call_id generated the tokens at depths [lo, hi) of owner's segment.
 -- Usually an output lies in its own call's segment; when a call regenerated an opening that an
@@ -24,7 +25,8 @@ SELECT u.execution_id, u.gen_call_id, u.owner, greatest(u.lo, a.seg_start) AS lo
 FROM up u
 JOIN call_segments a ON a.execution_id = u.execution_id AND a.call_id = u.owner;
 
-CREATE OR REPLACE VIEW tree_nodes AS
+-- The nodes without their tokens (cheap: no token list is read).
+CREATE OR REPLACE VIEW node_geometry AS
 WITH cuts AS (
     SELECT execution_id, call_id AS owner, seg_start AS cut FROM call_segments WHERE seg_end > seg_start
     UNION
@@ -43,8 +45,7 @@ runs AS (
     FROM cuts
 ),
 nodes AS (
-    SELECT r.execution_id, r.owner, r.node_start, r.node_end, s.seg_start, s.parent_call_id, s.role AS owner_role,
-           s.new_ids
+    SELECT r.execution_id, r.owner, r.node_start, r.node_end, s.seg_start, s.parent_call_id, s.role AS owner_role
     FROM runs r
     JOIN call_segments s ON s.execution_id = r.execution_id AND s.call_id = r.owner
     WHERE r.node_end IS NOT NULL
@@ -65,13 +66,13 @@ SELECT
         WHEN n.parent_call_id IS NOT NULL
             THEN (n.parent_call_id::BIGINT << 32) | pn.node_start
     END AS parent_node_id,
-    n.node_start AS depth,
-    n.node_end - n.node_start AS n_tokens,
-    list_slice(n.new_ids, n.node_start - n.seg_start + 1, n.node_end - n.seg_start) AS token_ids,
+    n.node_start::BIGINT AS depth,
+    (n.node_end - n.node_start)::BIGINT AS n_tokens,
     p.gen_call_id IS NOT NULL AS is_policy,
     p.gen_call_id AS call_id,
     coalesce(g.role, n.owner_role) AS role,
-    n.owner AS owner_call_id
+    n.owner AS owner_call_id,
+    n.seg_start AS owner_seg_start
 FROM nodes n
 LEFT JOIN policy p USING (execution_id, owner, node_start)
 LEFT JOIN call_segments g ON g.execution_id = n.execution_id AND g.call_id = p.gen_call_id
@@ -79,3 +80,19 @@ LEFT JOIN call_segments g ON g.execution_id = n.execution_id AND g.call_id = p.g
 LEFT JOIN runs pn
   ON n.node_start = n.seg_start AND pn.execution_id = n.execution_id AND pn.owner = n.parent_call_id
  AND pn.node_end = n.seg_start;
+
+-- The nodes with their token ids.
+CREATE OR REPLACE VIEW tree_nodes AS
+SELECT
+    n.execution_id,
+    n.node_id,
+    n.parent_node_id,
+    n.depth,
+    n.n_tokens,
+    list_slice(c.new_ids, n.depth - n.owner_seg_start + 1, n.depth - n.owner_seg_start + n.n_tokens) AS token_ids,
+    n.is_policy,
+    n.call_id,
+    n.role,
+    n.owner_call_id
+FROM node_geometry n
+JOIN calls c ON c.execution_id = n.execution_id AND c.call_id = n.owner_call_id;

@@ -8,7 +8,7 @@ node_cum AS (
     SELECT execution_id, owner_call_id, depth + n_tokens AS node_end,
            sum(CASE WHEN is_policy THEN n_tokens ELSE 0 END)
                OVER (PARTITION BY execution_id, owner_call_id ORDER BY depth)::BIGINT AS cum_policy
-    FROM tree_nodes
+    FROM node_geometry
 ),
 base(execution_id, call_id, policy_above) AS (
     SELECT execution_id, call_id, 0::BIGINT FROM call_segments WHERE parent_call_id IS NULL
@@ -35,7 +35,7 @@ SELECT
     s.seg_end AS n_tokens,
     any_value(cp.policy_through_end)::BIGINT AS n_policy_tokens
 FROM call_segments s
-JOIN tree_nodes n ON n.execution_id = s.execution_id AND n.owner_call_id = s.call_id
+JOIN node_geometry n ON n.execution_id = s.execution_id AND n.owner_call_id = s.call_id
 JOIN call_path_policy cp ON cp.execution_id = s.execution_id AND cp.call_id = s.call_id
 WHERE s.seg_end > s.seg_start
   AND NOT EXISTS (

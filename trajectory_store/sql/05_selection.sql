@@ -39,14 +39,19 @@ WITH RECURSIVE chain(execution_id, owner, upto) AS (
     JOIN call_segments c ON c.execution_id = ch.execution_id AND c.call_id = ch.owner
     WHERE c.parent_call_id IS NOT NULL
 ),
-reach AS (SELECT execution_id, owner, max(upto) AS upto FROM chain GROUP BY ALL)
+reach AS (SELECT execution_id, owner, max(upto) AS upto FROM chain GROUP BY ALL),
+nodes AS (
+    SELECT n.*
+    FROM node_geometry n
+    JOIN reach r ON r.execution_id = n.execution_id AND r.owner = n.owner_call_id AND n.depth + n.n_tokens <= r.upto
+)
 SELECT
     n.execution_id,
     n.node_id,
     n.parent_node_id,
     n.depth,
     n.n_tokens,
-    n.token_ids,
+    list_slice(c.new_ids, n.depth - n.owner_seg_start + 1, n.depth - n.owner_seg_start + n.n_tokens) AS token_ids,
     n.is_policy,
     n.call_id,
     n.role,
@@ -54,9 +59,9 @@ SELECT
         THEN list_slice(g.output_logprobs, n.depth - g.prompt_len + 1, n.depth - g.prompt_len + n.n_tokens)
     END AS behaviour_logprobs,
     g.policy_version
-FROM tree_nodes n
-JOIN reach r ON r.execution_id = n.execution_id AND r.owner = n.owner_call_id AND n.depth + n.n_tokens <= r.upto
-LEFT JOIN call_segments g ON g.execution_id = n.execution_id AND g.call_id = n.call_id;
+FROM nodes n
+JOIN calls c ON c.execution_id = n.execution_id AND c.call_id = n.owner_call_id
+LEFT JOIN calls g ON g.execution_id = n.execution_id AND g.call_id = n.call_id;
 
 -- One row per policy token to train; weights sum to 1 per execution.
 CREATE OR REPLACE VIEW training_tokens AS

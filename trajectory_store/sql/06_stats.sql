@@ -15,7 +15,7 @@ WITH c AS (
             ::BIGINT AS bytes_stored
     FROM calls GROUP BY execution_id
 ),
-p AS (SELECT execution_id, sum(n_tokens) FILTER (WHERE is_policy)::BIGINT AS n_policy_tokens FROM tree_nodes GROUP BY ALL),
+p AS (SELECT execution_id, sum(n_tokens) FILTER (WHERE is_policy)::BIGINT AS n_policy_tokens FROM node_geometry GROUP BY ALL),
 t AS (SELECT execution_id, count(*) AS n_trajectories FROM trajectories GROUP BY ALL),
 s AS (SELECT execution_id, count(*) AS n_selected FROM selected_trajectories GROUP BY ALL)
 SELECT
