@@ -121,7 +121,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     store = _store_config(args)
     if args.command == "sql":
-        result = t.run_sql.fn(store, t.SelectionConfig(), args.query)
+        import duckdb
+
+        try:
+            result = t.run_sql.fn(store, t.SelectionConfig(), args.query)
+        except duckdb.Error as error:
+            print(f"gyre: SQL error: {error}", file=sys.stderr)
+            print(f"gyre: {VIEWS_HELP}", file=sys.stderr)
+            return 2
         from flows.format import render
 
         print(render(result.columns, result.rows, args.format))

@@ -3,6 +3,7 @@ server on loopback (moto's ThreadedMotoServer), and temporary stores."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -31,6 +32,9 @@ def s3_server():
     """A real S3 API server on 127.0.0.1 (not a mocked client): s3fs and boto3 talk HTTP to it."""
     from moto.server import ThreadedMotoServer
 
+    # the server's per-request log lines would land in whatever stream a test captures
+    for name in ("werkzeug", "moto"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()

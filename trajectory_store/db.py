@@ -17,7 +17,7 @@ import duckdb
 import pyarrow as pa
 
 from trajectory_store.config import SelectionConfig
-from trajectory_store.schema import SCHEMAS
+from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, RecordError
 from trajectory_store.storage import KINDS, Store
 
 VIEWS = (
@@ -36,6 +36,39 @@ VIEWS = (
 
 def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
+
+
+# Validation on read: what every stored row must hold (the Parquet files are read as they are).
+_REQUIRED = {
+    "calls": (
+        "execution_id",
+        "call_id",
+        "role",
+        "prefix_len",
+        "new_ids",
+        "prompt_len",
+        "output_len",
+        "context_hash",
+    ),
+    "executions": ("execution_id", "status"),
+    "metrics": ("step", "name", "value"),
+}
+
+
+def _check_stored(con: duckdb.DuckDBPyConnection) -> None:
+    for kind, required in _REQUIRED.items():
+        missing = " OR ".join(f"{column} IS NULL" for column in required)
+        bad = con.execute(
+            f"SELECT filename, schema_version, {', '.join(required)} FROM {kind}_raw "
+            f"WHERE schema_version IS DISTINCT FROM {SCHEMA_VERSION} OR {missing} LIMIT 1"
+        ).fetchall()
+        if bad:
+            filename, version, *values = bad[0]
+            if version != SCHEMA_VERSION:
+                reason = f"schema_version {version}, this gyrerl reads {SCHEMA_VERSION}"
+            else:
+                reason = "missing " + ", ".join(c for c, v in zip(required, values, strict=True) if v is None)
+            raise RecordError(f"{filename}: {kind} row has {reason}")
 
 
 def connect(
@@ -64,6 +97,7 @@ def connect(
             con.register(f"{kind}_empty", empty)
             con.execute(f"CREATE OR REPLACE TABLE {kind}_raw AS SELECT * FROM {kind}_empty")
             con.unregister(f"{kind}_empty")
+    _check_stored(con)
     con.execute(
         "CREATE TABLE selection_config AS SELECT ?::BIGINT AS j_max, ?::BIGINT AS seed",
         [selection.j_max, selection.seed],

@@ -1,0 +1,193 @@
+"""The `gyre` command line: help, the exact JSONL round trip, per-execution stats checked against a
+plain Python trie of the file's sequences, SQL output formats and errors, and the deterministic
+sample generator. Store commands run without Prefect (the CLI calls the tasks' plain functions)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flows.cli import main
+from trajectory_store.schema import context_hash
+
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
+STATS_FIELDS = (
+    "n_calls",
+    "n_naive_tokens",
+    "n_unique_tokens",
+    "n_policy_tokens",
+    "n_trajectories",
+    "n_selected",
+    "bytes_stored",
+)
+J_MAX = 5  # SelectionConfig's default
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def record_key(record: dict) -> tuple:
+    return record["type"], record["execution_id"], record.get("call_id", -1)
+
+
+@pytest.fixture
+def cli_env(monkeypatch, tmp_path):
+    """The CLI reads defaults from the environment and sets PREFECT_HOME: keep both inside the test."""
+    monkeypatch.delenv("GYRE_DATA_ROOT", raising=False)
+    monkeypatch.delenv("GYRE_CAMPAIGN", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+
+
+@pytest.fixture
+def imported(tmp_path, cli_env, capsys) -> list[str]:
+    """The sample trace imported through the CLI; returns the store options to pass to later commands."""
+    store_args = ["--data-root", str(tmp_path / "data"), "--campaign", "cli"]
+    assert main(["traj", "import", str(SAMPLE), *store_args]) == 0
+    out = capsys.readouterr().out
+    assert "4 executions, 55 calls" in out
+    return store_args
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["--help"])
+
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("run", "traj", "sql", "bench"):
+        assert command in out.split(), command
+
+
+def test_gyre_entry_point_runs_as_a_program():
+    gyre = Path(sys.executable).parent / "gyre"
+
+    done = subprocess.run([str(gyre), "--help"], capture_output=True, text=True, timeout=60)
+
+    assert done.returncode == 0, done.stderr
+    assert "traj" in done.stdout
+
+
+def test_import_then_export_round_trip_is_exact(imported, tmp_path, capsys):
+    out = tmp_path / "export.jsonl"
+
+    assert main(["traj", "export", str(out), *imported]) == 0
+
+    assert "4 executions, 55 calls" in capsys.readouterr().out
+    original, exported = read_jsonl(SAMPLE), read_jsonl(out)
+    assert [record_key(r) for r in exported] == sorted(map(record_key, original), key=lambda k: (k[1], k[2]))
+    by_key = {record_key(r): r for r in exported}
+    for want in original:
+        got = by_key[record_key(want)]
+        for name, value in want.items():
+            if name == "output_logprobs":
+                np.testing.assert_array_equal(
+                    np.asarray(got[name], dtype=np.float32), np.asarray(value, dtype=np.float32), err_msg=name
+                )
+                continue
+            assert got[name] == value, (record_key(want), name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                assert type(got[name]) is int, (record_key(want), name)  # ints stay ints
+        if want["type"] == "call":
+            assert got["step"] == 0
+            assert got["context_hash"] == context_hash(np.asarray(want["prompt_ids"]))
+
+
+def trie_figures(calls: list[dict]) -> dict[str, int]:
+    """Nodes, policy nodes, leaves and selectable leaves of a dict trie of one execution's sequences."""
+    root: dict = {}
+    policy: set[int] = set()  # id() of nodes that some call generated
+    for call in calls:
+        node = root
+        n_prompt = len(call["prompt_ids"])
+        for depth, token in enumerate(call["prompt_ids"] + call["output_ids"]):
+            node = node.setdefault(token, {})
+            if depth >= n_prompt:
+                policy.add(id(node))
+    nodes = leaves = selectable = 0
+    stack = [(child, id(child) in policy) for child in root.values()]
+    while stack:
+        node, path_has_policy = stack.pop()
+        nodes += 1
+        if not node:
+            leaves += 1
+            selectable += path_has_policy
+        stack.extend((child, path_has_policy or id(child) in policy) for child in node.values())
+    return {"nodes": nodes, "policy": len(policy), "leaves": leaves, "selectable": selectable}
+
+
+def test_stats_json_matches_a_python_trie_of_the_file(imported, capsys):
+    assert main(["traj", "stats", "--format", "json", *imported]) == 0
+
+    stats = {row["execution_id"]: row for row in json.loads(capsys.readouterr().out)}
+    records = read_jsonl(SAMPLE)
+    assert sorted(stats) == sorted({r["execution_id"] for r in records})
+    for execution_id, row in stats.items():
+        calls = [r for r in records if r["type"] == "call" and r["execution_id"] == execution_id]
+        trie = trie_figures(calls)
+        assert set(STATS_FIELDS) <= set(row), row
+        assert row["n_calls"] == len(calls)
+        assert row["n_naive_tokens"] == sum(len(c["prompt_ids"]) + len(c["output_ids"]) for c in calls)
+        assert row["n_unique_tokens"] == trie["nodes"], execution_id
+        assert row["n_policy_tokens"] == trie["policy"], execution_id
+        assert row["n_trajectories"] == trie["leaves"], execution_id
+        assert row["n_selected"] == min(J_MAX, trie["selectable"]), execution_id  # every status is trainable
+        assert row["bytes_stored"] > 4 * row["n_unique_tokens"]
+
+
+COUNT_SQL = "SELECT execution_id, count(*) AS n_calls FROM calls GROUP BY ALL ORDER BY execution_id"
+EXPECTED_COUNTS = [("p0-e0", 13), ("p0-e1", 16), ("p1-e0", 16), ("p1-e1", 10)]
+
+
+def test_sql_csv(imported, capsys):
+    assert main(["sql", *imported, "--format", "csv", COUNT_SQL]) == 0
+
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert rows[0] == ["execution_id", "n_calls"]
+    assert [(e, int(n)) for e, n in rows[1:]] == EXPECTED_COUNTS
+
+
+def test_sql_table(imported, capsys):
+    assert main(["sql", *imported, "--format", "table", COUNT_SQL]) == 0
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["execution_id", "n_calls"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    assert [tuple(line.split()) for line in lines[2:6]] == [(e, str(n)) for e, n in EXPECTED_COUNTS]
+    assert lines[6] == "(4 rows)"
+
+
+@pytest.mark.parametrize(
+    ("query", "culprit"),
+    [
+        ("SELECT * FROM no_such_view", "no_such_view"),
+        ("SELEC 1", "SELEC"),
+        ("SELECT nope FROM calls", "nope"),
+    ],
+    ids=["unknown-view", "syntax", "unknown-column"],
+)
+def test_sql_error_exits_2_with_a_message_not_a_traceback(imported, capsys, query, culprit):
+    try:
+        code = main(["sql", *imported, query])
+    except Exception as error:  # a traceback is what the user would see
+        pytest.fail(f"gyre sql raised {type(error).__name__} instead of exiting 2: {error}")
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("gyre: ") and "Traceback" not in err
+    assert culprit in err  # it names what was wrong
+
+
+def test_sample_preset_regenerates_the_bundled_trace(tmp_path, cli_env, capsys):
+    out = tmp_path / "sample.jsonl"
+
+    assert main(["traj", "sample", str(out), "--preset", "sample"]) == 0
+
+    assert out.read_bytes() == SAMPLE.read_bytes()
