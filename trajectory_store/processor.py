@@ -36,6 +36,7 @@ class PackedSequence:
     weights: np.ndarray  # [T] float32, 0 where not a target
     behaviour_logprobs: np.ndarray  # [T] float32, 0 where not a target
     advantages: np.ndarray  # [T] float32, the execution's advantage on its targets, 0 elsewhere
+    policy_versions: np.ndarray  # [T] int32, the policy version that sampled a target, -1 elsewhere
     execution_index: np.ndarray  # [T] int32, index into ``executions``
     executions: list[str]
     leaves: list[tuple[str, int, int]]  # (execution_id, trajectory_id, index of its last token)
@@ -88,6 +89,7 @@ class _Tree:
     policy: np.ndarray
     tokens: np.ndarray
     logprobs: np.ndarray  # aligned with tokens; 0 on context
+    versions: np.ndarray  # per node: the policy version of the call that generated it, -1 on context
     n_targets: int
 
     @property
@@ -138,6 +140,7 @@ class _SequenceBuilder:
         logprobs = tree.logprobs[start : start + n] if policy else np.zeros(n, dtype=np.float32)
         self.pieces["behaviour_logprobs"].append(logprobs)
         self.pieces["advantages"].append(np.full(n, advantage if policy else 0.0, dtype=np.float32))
+        self.pieces["policy_versions"].append(np.full(n, tree.versions[node] if policy else -1, dtype=np.int32))
         self.pieces["execution_index"].append(
             np.full(n, self.execution_slot(tree.execution_id), dtype=np.int32)
         )
@@ -158,6 +161,7 @@ class _SequenceBuilder:
             weights=cat("weights", np.float32),
             behaviour_logprobs=cat("behaviour_logprobs", np.float32),
             advantages=cat("advantages", np.float32),
+            policy_versions=cat("policy_versions", np.int32),
             execution_index=cat("execution_index", np.int32),
             executions=list(self.executions),
             leaves=list(self.leaves),
@@ -178,6 +182,7 @@ def _trees(nodes: pa.Table) -> list[_Tree]:
     offsets = token_lists.offsets.to_numpy()
     lengths = np.diff(offsets)
     logprob_lists = nodes.column("behaviour_logprobs").to_pylist()
+    versions = nodes.column("policy_version").fill_null(-1).to_numpy()
     trees = []
     bounds = np.flatnonzero(execution_ids[1:] != execution_ids[:-1]) + 1
     for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(execution_ids)], strict=True):
@@ -203,6 +208,7 @@ def _trees(nodes: pa.Table) -> list[_Tree]:
                 policy=policy[lo:hi].astype(bool),
                 tokens=tree_tokens,
                 logprobs=logprobs,
+                versions=versions[lo:hi],
                 n_targets=int(lengths[lo:hi][policy[lo:hi].astype(bool)].sum()),
             )
         )
@@ -234,7 +240,8 @@ def pack(
     advantages = group_advantages(rewards, packing.advantage, packing.advantage_eps)
     con.register("packing_executions", pa.table({"execution_id": pa.array(sorted(rewards), pa.string())}))
     nodes = con.sql(
-        "SELECT n.execution_id, n.node_id, n.parent_node_id, n.depth, n.token_ids, n.is_policy, n.behaviour_logprobs "
+        "SELECT n.execution_id, n.node_id, n.parent_node_id, n.depth, n.token_ids, n.is_policy, "
+        "n.behaviour_logprobs, n.policy_version "
         "FROM training_nodes n JOIN packing_executions USING (execution_id) ORDER BY n.execution_id, n.depth, n.node_id"
     ).arrow()
     if isinstance(nodes, pa.RecordBatchReader):  # DuckDB 2 streams Arrow results
@@ -335,6 +342,7 @@ BATCH_COLUMNS = {
     "weights": pa.float32(),
     "behaviour_logprobs": pa.float32(),
     "advantages": pa.float32(),
+    "policy_versions": pa.int32(),
     "execution_index": pa.int32(),
 }
 

@@ -1,0 +1,38 @@
+"""Typed configuration of training: the loss and the trainer backends."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class LossConfig(BaseModel):
+    """PPO-style clipped policy loss over the behaviour logprobs recorded at rollout time."""
+
+    clip_low: float = Field(0.2, ge=0, description="ratio is clipped below at 1 - clip_low")
+    clip_high: float = Field(
+        0.28, ge=0, description="ratio is clipped above at 1 + clip_high (DAPO clip-higher)"
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="weight of a k3 KL estimate against the behaviour policy (off by default)"
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (off by default)")
+
+
+class TrainerConfig(BaseModel):
+    """The core cell's optimizer and DeepSpeed settings; satellites only need the loss."""
+
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.999))
+    eps: float = Field(1e-8, gt=0)
+    max_grad_norm: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 turns it off")
+    zero_stage: Literal[0, 1, 2] = Field(
+        1,
+        description="DeepSpeed ZeRO stage of the core cell. Stage 3 shards parameters across a DeepSpeed "
+        "world and is not supported by the elastic core yet (the satellites' gradients are injected "
+        "into the core's full parameters)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype (bfloat16 on GPUs)")
+    loss: LossConfig = Field(default_factory=LossConfig)

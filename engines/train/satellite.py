@@ -1,0 +1,92 @@
+"""A satellite cell's process: join one running step of the core, contribute, leave.
+
+    python -m engines.train.satellite --host 127.0.0.1 --port 29500 --step 3 --model ./policy
+
+The satellite builds its model from the HF-format folder once, pulls the step's weights from the
+core's fast in-host path (version-checked), reads the step's packed batch from storage and takes
+micro-batches until none are left (engines/train/elastic.py has the protocol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+
+import fsspec
+import pyarrow.parquet as pq
+import torch
+
+from engines.train.config import LossConfig
+from engines.train.elastic import ElasticConfig, run_satellite
+from engines.train.worker import GradWorker
+from trajectory_store.processor import PackedSequence, table_to_sequences
+
+
+def read_batch(uri: str) -> list[PackedSequence]:
+    with fsspec.open(uri, "rb") as handle:
+        return table_to_sequences(pq.read_table(io.BytesIO(handle.read())))
+
+
+def load_policy_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="sdpa", dtype=torch.float32, local_files_only=True
+    )
+
+
+def satellite_main(
+    host: str,
+    port: int,
+    step: int,
+    model_dir: str,
+    loss: dict | None = None,
+    *,
+    join_after_claims: int = 0,
+    die_after: int | None = None,
+    threads: int = 1,
+    pace_s: float = 0.0,
+    ready=None,
+) -> dict:
+    torch.set_num_threads(threads)
+    worker = GradWorker(load_policy_model(model_dir), LossConfig(**(loss or {})))
+
+    def join_when(store) -> bool:
+        return store.add("claim", 0) >= join_after_claims
+
+    return run_satellite(
+        host,
+        port,
+        step,
+        worker,
+        read_batch,
+        config=ElasticConfig(),
+        join_when=join_when if join_after_claims else None,
+        die_after=die_after,
+        pace_s=pace_s,
+        ready=ready.set if ready is not None else None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--step", type=int, required=True)
+    parser.add_argument(
+        "--model", required=True, help="HF-format policy folder (architecture and initial weights)"
+    )
+    parser.add_argument("--loss", default="{}", help="LossConfig as JSON")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    result = satellite_main(
+        args.host, args.port, args.step, args.model, json.loads(args.loss), threads=args.threads
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""GradWorker: gradients of the policy loss on a plain torch copy of the weights.
+
+Satellites are GradWorkers in their own processes; the core cell computes its share of a step
+with one too, so every micro-batch's gradient is computed the same way wherever it runs. Gradient
+SUMS accumulate in a flat fp32 buffer, one per parameter in a fixed order, ready for one reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engines.train.config import LossConfig
+from engines.train.loss import policy_loss
+from engines.train.tree import target_logprobs
+from trajectory_store.processor import PackedSequence
+
+
+@dataclass
+class StepStats:
+    """Sums over the micro-batches a worker processed (added across workers at the end of a step)."""
+
+    micro_batches: list[int] = field(default_factory=list)
+    loss: float = 0.0
+    tokens: int = 0
+    clipped: int = 0
+    ratio_sum: float = 0.0
+    ratio_max: float = 0.0
+    entropy_sum: float = 0.0
+    kl_sum: float = 0.0
+    lag_sum: float = 0.0
+    lag_max: int = 0
+
+    def add(self, other: StepStats) -> None:
+        self.micro_batches += other.micro_batches
+        for name in ("loss", "tokens", "clipped", "ratio_sum", "entropy_sum", "kl_sum", "lag_sum"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.ratio_max = max(self.ratio_max, other.ratio_max)
+        self.lag_max = max(self.lag_max, other.lag_max)
+
+    def as_vector(self) -> list[float]:
+        return [
+            self.loss,
+            self.tokens,
+            self.clipped,
+            self.ratio_sum,
+            self.entropy_sum,
+            self.kl_sum,
+            self.lag_sum,
+        ]
+
+    @classmethod
+    def from_vector(
+        cls, values: list[float], ratio_max: float, lag_max: int, micro_batches: list[int]
+    ) -> StepStats:
+        loss, tokens, clipped, ratio_sum, entropy_sum, kl_sum, lag_sum = values
+        return cls(
+            micro_batches, loss, round(tokens), round(clipped), ratio_sum, ratio_max, entropy_sum, kl_sum,
+            lag_sum, lag_max,
+        )  # fmt: skip
+
+
+class GradWorker:
+    def __init__(self, model: torch.nn.Module, loss: LossConfig):
+        self.model = model
+        self.loss_config = loss
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grad = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
+        self.version = -1
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+        if real_missing or unexpected:
+            raise ValueError(
+                f"weights v{version} do not fit the model: missing {real_missing}, extra {unexpected}"
+            )
+        self.version = version
+
+    def reset(self) -> None:
+        self.grad.zero_()
+
+    def accumulate(self, sequence: PackedSequence, n_executions: int, index: int, version: int) -> StepStats:
+        """Adds the gradient of one micro-batch's share of the step loss to the flat buffer."""
+        self.model.train()
+        for param in self.params:
+            param.grad = None
+        out = target_logprobs(self.model, sequence)
+        targets = out.targets.cpu().numpy()
+        device = out.logprobs.device
+
+        def pick(array: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(array[targets], dtype=torch.float32, device=device)
+
+        terms = policy_loss(
+            out.logprobs,
+            pick(sequence.behaviour_logprobs),
+            pick(sequence.advantages),
+            pick(sequence.weights),
+            n_executions,
+            self.loss_config,
+            entropy=out.entropy,
+        )
+        terms.loss.backward()
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            if param.grad is not None:
+                self.grad[offset : offset + n] += param.grad.detach().reshape(-1).float().cpu()
+            offset += n
+        lags = version - sequence.policy_versions[targets]
+        return StepStats(
+            micro_batches=[index],
+            loss=float(terms.loss.detach()),
+            tokens=terms.tokens,
+            clipped=terms.clipped,
+            ratio_sum=terms.ratio_sum,
+            ratio_max=terms.ratio_max,
+            entropy_sum=terms.entropy_sum,
+            kl_sum=terms.kl_sum,
+            lag_sum=float(lags.sum()),
+            lag_max=int(lags.max()) if lags.size else 0,
+        )

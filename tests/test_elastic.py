@@ -1,0 +1,148 @@
+"""Elastic data parallel on real processes: satellites join a running step over a TCPStore and gloo.
+
+The update must equal single-process training on the same batch, whatever the number of
+satellites and whenever they join, and every micro-batch must be used exactly once, also when a
+satellite is killed mid-step."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from engines.train.config import TrainerConfig
+from engines.train.core import CoreTrainer
+from engines.train.elastic import ElasticCoordinator
+from engines.train.satellite import satellite_main
+from tests.train_fixtures import packed_batch, perturb_behaviour, tiny_model
+from trajectory_store.processor import batch_to_table
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("elastic")
+    model_dir = str(root / "policy")
+    tiny_model(5).save_pretrained(model_dir, safe_serialization=True)
+    batch = packed_batch(str(root / "data"), seed=11, n_executions=10, budget=16)
+    perturb_behaviour(batch, 11)
+    assert len(batch.sequences) >= 8
+    buffer = io.BytesIO()
+    pq.write_table(batch_to_table(batch, 0), buffer)
+    batch_uri = str(root / "batch.parquet")
+    with open(batch_uri, "wb") as handle:
+        handle.write(buffer.getvalue())
+    weights_dir = str(root / "fast")
+    os.makedirs(weights_dir)
+    config = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)
+    reference = CoreTrainer(_load(model_dir), config)
+    coordinator = ElasticCoordinator(reference)
+    report = coordinator.run_step(
+        0, batch.sequences, len(batch.advantages), batch_uri=batch_uri, weights_dir=weights_dir
+    )
+    ref_weights = reference.weights()
+    initial = {k: v.detach().clone() for k, v in _load(model_dir).state_dict().items()}
+    return {
+        "model_dir": model_dir,
+        "batch": batch,
+        "batch_uri": batch_uri,
+        "weights_dir": weights_dir,
+        "config": config,
+        "reference": ref_weights,
+        "reference_report": report,
+        "initial": initial,
+    }
+
+
+def _load(model_dir: str) -> torch.nn.Module:
+    from engines.train.satellite import load_policy_model
+
+    return load_policy_model(model_dir)
+
+
+def _update_diff(weights, setup) -> float:
+    """|| update - reference update || / || reference update || over all parameters."""
+    num = den = 0.0
+    for name, ref in setup["reference"].items():
+        update = weights[name] - setup["initial"][name]
+        ref_update = ref - setup["initial"][name]
+        num += float((update - ref_update).double().pow(2).sum())
+        den += float(ref_update.double().pow(2).sum())
+    return (num / den) ** 0.5
+
+
+def _run(setup, satellites: list[dict], pace_s: float):
+    core = CoreTrainer(_load(setup["model_dir"]), setup["config"])
+    coordinator = ElasticCoordinator(core)
+    context = multiprocessing.get_context("spawn")
+    ready = [context.Event() for _ in satellites]
+    processes = [
+        context.Process(
+            target=satellite_main,
+            args=(coordinator.host, coordinator.port, 0, setup["model_dir"]),
+            kwargs={"pace_s": pace_s, "ready": event, **spec},
+            daemon=True,
+        )
+        for spec, event in zip(satellites, ready, strict=True)
+    ]
+    for process in processes:
+        process.start()
+    for event in ready:  # the step starts once every satellite is up (process start-up is seconds here)
+        assert event.wait(120)
+    batch = setup["batch"]
+    report = coordinator.run_step(
+        0,
+        batch.sequences,
+        len(batch.advantages),
+        batch_uri=setup["batch_uri"],
+        weights_dir=setup["weights_dir"],
+        pace_s=pace_s,
+    )
+    for process in processes:
+        process.join(timeout=60)
+    return core, report, [p.exitcode for p in processes]
+
+
+def test_reference_step_uses_every_micro_batch_once(setup):
+    report = setup["reference_report"]
+    assert report.members == [0]
+    assert report.stats.micro_batches == list(range(report.micro_batches))
+    assert report.version == 1 and report.grad_norm > 0
+    metrics = report.metrics()
+    assert metrics["tokens_trained"] == setup["batch"].n_target_tokens
+    assert 0 < metrics["clip_fraction"] < 1
+
+
+@pytest.mark.parametrize(
+    "satellites",
+    [
+        [{}],  # one satellite from the start
+        [{}, {"join_after_claims": "half"}],  # a second one joins after half the micro-batches
+    ],
+    ids=["one", "two-one-late"],
+)
+def test_satellites_joining_give_the_same_update(setup, satellites):
+    n = len(setup["batch"].sequences)
+    specs = [{k: (n // 2 if v == "half" else v) for k, v in s.items()} for s in satellites]
+    core, report, exitcodes = _run(setup, specs, pace_s=0.3)
+    assert exitcodes == [0] * len(specs)
+    assert sorted(i for ids in report.by_participant.values() for i in ids) == list(range(n))
+    assert len(report.members) == 1 + len(specs), report
+    assert all(report.by_participant[sid] for sid in report.members[1:]), report.by_participant
+    assert _update_diff(core.weights(), setup) <= 1e-5
+    assert report.metrics()["tokens_trained"] == setup["batch"].n_target_tokens
+
+
+def test_a_satellite_killed_mid_step_loses_nothing(setup):
+    core, report, exitcodes = _run(setup, [{"die_after": 1}, {}], pace_s=0.3)
+    assert 17 in exitcodes  # the killed one
+    assert len(report.dead) == 1 and report.recomputed, report
+    assert sorted(i for ids in report.by_participant.values() for i in ids) == list(
+        range(report.micro_batches)
+    )
+    assert _update_diff(core.weights(), setup) <= 1e-5

@@ -1,0 +1,122 @@
+"""Tree-packed training equals per-path training: logprobs and gradients, on random trees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engines.train.config import LossConfig
+from engines.train.loss import policy_loss
+from engines.train.tree import attention_bias, check_attention_setup, path_logprobs, target_logprobs
+from engines.train.worker import GradWorker
+from tests.train_fixtures import packed_batch, perturb_behaviour, tiny_model
+
+SETTINGS = settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def path_to(sequence, index: int) -> np.ndarray:
+    path = []
+    while index >= 0:
+        path.append(index)
+        index = int(sequence.parent_index[index])
+    return np.array(path[::-1])
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), budget=st.sampled_from([24, 64, 4096]))
+def test_tree_logprobs_equal_per_path_evaluation(tmp_path_factory, seed, budget):
+    model = tiny_model(seed % 7).eval()
+    batch = packed_batch(str(tmp_path_factory.mktemp("d")), seed, budget=budget)
+    worst = 0.0
+    compared = 0
+    with torch.no_grad():
+        for sequence in batch.sequences:
+            tree = target_logprobs(model, sequence)
+            for target, value in zip(tree.targets.tolist(), tree.logprobs.tolist(), strict=True):
+                path = path_to(sequence, target)
+                reference = path_logprobs(model, sequence.token_ids[path])[-1].item()
+                worst = max(worst, abs(value - reference))
+                compared += 1
+    assert compared == batch.n_target_tokens > 0
+    assert worst <= 1e-5
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), budget=st.sampled_from([24, 4096]))
+def test_tree_gradients_equal_per_path_training(tmp_path_factory, seed, budget):
+    batch = packed_batch(str(tmp_path_factory.mktemp("d")), seed, budget=budget)
+    perturb_behaviour(batch, seed)
+    n_executions = len(batch.advantages)
+    config = LossConfig(kl_coef=0.05)
+    tree_model = tiny_model(1)
+    worker = GradWorker(tree_model, config)
+    for index, sequence in enumerate(batch.sequences):
+        worker.accumulate(sequence, n_executions, index, version=0)
+
+    # per-path: every target token evaluated on its own path, with the same weights
+    path_model = tiny_model(1)
+    total = torch.zeros(())
+    for sequence in batch.sequences:
+        for target in np.flatnonzero(sequence.loss_mask):
+            path = path_to(sequence, target)
+            logprob = path_logprobs(path_model, sequence.token_ids[path])[-1:]
+
+            def at(array, target=target):
+                return torch.tensor([array[target]], dtype=torch.float32)
+
+            terms = policy_loss(
+                logprob,
+                at(sequence.behaviour_logprobs),
+                at(sequence.advantages),
+                at(sequence.weights),
+                n_executions,
+                config,
+            )
+            total = total + terms.loss
+    total.backward()
+    reference = torch.cat([p.grad.reshape(-1) for p in path_model.parameters() if p.requires_grad])
+    relative = (worker.grad - reference).norm() / reference.norm()
+    assert reference.norm() > 0
+    assert relative <= 1e-5
+
+
+def test_policy_loss_clips_and_averages_per_execution():
+    config = LossConfig(clip_low=0.2, clip_high=0.2)
+    behaviour = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    current = torch.log(torch.tensor([0.8, 0.3, 0.5, 0.55])).requires_grad_()
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    weights = torch.tensor([0.5, 0.5, 0.5, 0.5])  # two executions of two tokens each
+    terms = policy_loss(current, behaviour, advantages, weights, n_executions=2, config=config)
+    # ratios 1.6 (clipped to 1.2 for A>0), 0.6, 1.0, 1.1
+    expected = -(0.5 * 1.2 + 0.5 * 0.6 - 0.5 * 1.0 - 0.5 * 1.1) / 2
+    torch.testing.assert_close(terms.loss, torch.tensor(expected))
+    assert terms.clipped == 1
+    assert terms.ratio_max == pytest.approx(1.6)
+    terms.loss.backward()
+    assert current.grad[0] == 0  # a clipped token gives no gradient
+
+
+def test_attention_setups_that_are_silently_wrong_are_refused():
+    model = tiny_model(0, attn="eager")
+    parents = np.array([-1, 0, 1, 1])
+    with pytest.raises(ValueError, match="boolean 4D mask under eager"):
+        check_attention_setup(model, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    check_attention_setup(model, attention_bias(parents))  # a float mask is fine under eager
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="ignores an arbitrary 4D mask"):
+        check_attention_setup(model, attention_bias(parents))
+
+
+def test_eager_attention_with_a_float_mask_matches_sdpa(tmp_path):
+    batch = packed_batch(str(tmp_path), seed=3)
+    sdpa, eager = tiny_model(2).eval(), tiny_model(2, attn="eager").eval()
+    with torch.no_grad():
+        for sequence in batch.sequences:
+            a = target_logprobs(sdpa, sequence).logprobs
+            b = target_logprobs(eager, sequence).logprobs
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

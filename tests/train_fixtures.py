@@ -1,0 +1,61 @@
+"""A tiny random policy and a packed batch of random branched executions, for the training tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from tests.trees import random_execution
+from trajectory_store.config import PackingConfig, SelectionConfig
+from trajectory_store.db import connect
+from trajectory_store.processor import PackedBatch, pack
+from trajectory_store.recorder import Recorder
+from trajectory_store.storage import Store, StoreConfig
+
+VOCAB = 64
+
+
+def tiny_model(seed: int = 0, attn: str = "sdpa") -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        attn_implementation=attn,
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+def packed_batch(
+    root: str, seed: int, n_executions: int = 3, budget: int = 64, j_max: int = 5
+) -> PackedBatch:
+    """Random branched executions (vocab 6: plenty of shared prefixes), recorded, selected, packed."""
+    store = Store(StoreConfig(data_root=root, campaign="train"))
+    recorder = Recorder(store, step=0)
+    rng = np.random.default_rng(seed)
+    for k in range(n_executions):
+        execution_id = f"e{k}"
+        for call in random_execution(int(rng.integers(1 << 30)), int(rng.integers(4, 10)), 6, execution_id):
+            call["role"] = "main"
+            recorder.record_call_dict(call)
+        recorder.record_execution(execution_id, "completed", reward=float(rng.random()), group_id="g")
+    recorder.close()
+    con = connect(store, SelectionConfig(j_max=j_max))
+    longest = con.execute("SELECT max(n_tokens) FROM selected_trajectories").fetchall()[0][0]
+    return pack(con, PackingConfig(token_budget=max(budget, int(longest)), advantage="grpo"))
+
+
+def perturb_behaviour(batch: PackedBatch, seed: int) -> None:
+    """Behaviour logprobs near (not at) the current policy's, so some ratios clip."""
+    rng = np.random.default_rng(seed)
+    for sequence in batch.sequences:
+        noise = rng.normal(0, 0.3, len(sequence)).astype(np.float32)
+        sequence.behaviour_logprobs = np.where(sequence.loss_mask, -np.log(VOCAB) + noise, 0).astype(
+            np.float32
+        )
