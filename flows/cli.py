@@ -7,6 +7,8 @@
     gyre traj sample OUT.jsonl [--preset sample]       write a synthetic paper-shaped trace
     gyre sql [--format table|csv|json] "SQL"           query the views
     gyre bench store [--quick]                         the storage benchmark
+    gyre bench train [--quick]                         the training benchmark
+    gyre model init --preset tiny --out URL [--seed N]  a random-init policy model + tokenizer (HF format)
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
 works, with the standard AWS variables or --s3-endpoint-url) and --campaign NAME.
@@ -78,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     store_bench = bench_commands.add_parser("store", help="storage: bytes per unique token, import, trees")
     store_bench.add_argument("--quick", action="store_true", help="a small workload (under a minute)")
     store_bench.add_argument("--out", default="bench/results/store.json")
+    train_bench = bench_commands.add_parser(
+        "train", help="training: tree-packed vs per-path, elastic satellites"
+    )
+    train_bench.add_argument("--quick", action="store_true", help="the tiny model (under two minutes)")
+    train_bench.add_argument("--out", default="bench/results/train.json")
+
+    model = commands.add_parser("model", help="policy models: initialize one (HF format, any fsspec URL)")
+    model_commands = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
+    init = model_commands.add_parser("init", help="write a seeded random-init Qwen2 model and its tokenizer")
+    init.add_argument("--preset", choices=["tiny", "small", "gpu-0.5b", "gpu-1.5b"], default="tiny")
+    init.add_argument("--out", required=True, help="a folder or fsspec URL (s3://bucket/prefix)")
+    init.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
+    init.add_argument("--force", action="store_true", help="replace the model files already at --out")
+    init.add_argument("--s3-endpoint-url", default=None, help="S3 API endpoint (default: AWS variables)")
     return parser
 
 
@@ -106,16 +122,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return _run(args)
-    if args.command == "bench":
+    if args.command == "bench" and args.bench_command == "store":
         from bench.store import main as bench_store
 
         return bench_store(quick=args.quick, out=args.out)
+    if args.command == "bench" and args.bench_command == "train":
+        from bench.train import main as bench_train
+
+        return bench_train(quick=args.quick, out=args.out)
     if args.command == "traj" and args.traj_command == "sample":
         from tasks.trajectory import write_synthetic_trace
 
         lines = write_synthetic_trace.fn(args.preset, args.out)
         print(f"wrote {lines} records ({args.preset} preset) to {args.out}")
         return 0
+    if args.command == "model":
+        return _model(args)
 
     from tasks import trajectory as t
 
@@ -164,6 +186,17 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(render(result.columns, result.rows))
         return 0
     raise ValueError(f"unknown command {args.command!r}")
+
+
+def _model(args: argparse.Namespace) -> int:
+    from tasks.model import init_model  # imports torch and transformers: only when asked for
+
+    summary = init_model.fn(args.preset, args.out, args.seed, args.force, args.s3_endpoint_url)
+    print(
+        f"initialized {summary.preset} model (seed {summary.seed}): {summary.parameters:,} parameters, "
+        f"vocab {summary.vocab_size}, {summary.dtype}, at {summary.out}"
+    )
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:

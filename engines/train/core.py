@@ -146,6 +146,7 @@ class CoreTrainer:
         self.version = version
         self.step = step
         self.last_grad_norm = 0.0
+        self.last_grad: torch.Tensor | None = None
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() for k, v in self.engine.module.state_dict().items()}
@@ -166,6 +167,7 @@ class CoreTrainer:
             surrogate = surrogate + (param * piece).sum()
             offset += n
         self.engine.backward(surrogate)
+        self.last_grad = grad  # kept for inspection (benchmarks compare it across setups)
         self.last_grad_norm = float(torch.linalg.vector_norm(grad.double()))
         self.engine.step()
         self.step += 1
