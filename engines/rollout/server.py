@@ -1,0 +1,331 @@
+"""HTTP front of one RolloutEngine: a vLLM-shaped OpenAI completions API on token ids, plus admin.
+
+    python -m engines.rollout.server --model ./models/tiny --port 8100 --admin-token "$TOKEN"
+    app = create_app(engine, admin_token="...")          # then run it with uvicorn yourself
+
+Endpoints:
+    POST /v1/completions   {"model", "prompt": [ids] | [[ids], ...], "max_tokens", "temperature", "top_p",
+                            "top_k", "seed", "stop_token_ids", "logprobs": 1, "return_tokens_as_token_ids":
+                            true, "return_token_ids": true, "session_id"} -> choices + usage
+    GET  /v1/models, GET /health
+    admin (Authorization: Bearer <admin token>; 401 when missing or wrong, 403 when the server has none):
+    POST /admin/weights {"path", "version", "drop_kv"}   hot-swap from a safetensors file or HF folder
+    POST /admin/sleep, POST /admin/wake {"path", "version"}
+    POST /admin/export_session {"session_id"} -> a ShmHandle (the session's file in /dev/shm)
+    POST /admin/import_session {"handle", "wait"} -> {"session_id", "request_id"}, or with wait=true
+                            the completion of the migrated request once this engine finishes it
+    GET  /admin/stats
+
+A background thread (`EngineLoop`, loop.py) calls engine.step() while requests are pending, so
+concurrent HTTP requests decode together in one batch; handlers await futures the loop resolves. Binds 127.0.0.1
+unless told otherwise.
+
+vLLM compatibility. Checked here, against vLLM's protocol source (vllm/entrypoints/openai/completion/
+protocol.py, read, not run): the request fields above have vLLM's names and types (prompt as a token id
+list or a list of them; max_tokens defaults to 16; top_k 0 or -1 = off; stop_token_ids; logprobs as an
+int; return_tokens_as_token_ids gives tokens as "token_id:N" strings; return_token_ids adds
+choices[].token_ids; recent vLLM also declares a session_id field), and the response has vLLM's shape:
+id, object "text_completion", created, model, choices[].{index, text, logprobs.{text_offset,
+token_logprobs, tokens, top_logprobs}, finish_reason, stop_reason, token_ids}, usage.{prompt_tokens,
+completion_tokens, total_tokens, prompt_tokens_details.cached_tokens}. Our logprobs are vLLM v1's
+default logprobs_mode 'raw_logprobs' (log-softmax of the raw logits, before temperature/top-k/top-p).
+
+NOT verified (vLLM cannot be installed here: its wheel pins a CUDA torch; no test ran against a live
+vLLM): that a live vLLM answers these exact shapes in every version; differences we know of: vLLM
+stops at the model's EOS unless ignore_eos, we stop only at stop_token_ids (so the gateway must always
+send its EOS ids in stop_token_ids); vLLM returns choices[].token_ids only when return_token_ids=true
+(we always do) and fills top_logprobs with top-k dicts (ours holds None per token: read token_logprobs
+only); vLLM's prompt_tokens_details appears only with --enable-prompt-tokens-details; the same seed
+samples different tokens on vLLM; text is always "" here (no tokenizer) and string prompts, stream,
+echo and n > 1 are refused with 400. finish_reason may also be "abort" (as vLLM) or "migrated" (ours:
+the session was exported mid-request). Our extension per choice, ``gyre``: request_id, session_id,
+policy_versions (one per output token), engine_id, cached_prompt_tokens, prefilled_tokens, migrated.
+Admin endpoints are ours (vLLM's dev-mode /sleep and /wake_up differ). So the gateway must use only
+the common subset: token-id prompts, the sampling fields above, stop_token_ids, logprobs,
+return_tokens_as_token_ids + return_token_ids, and read token_ids / token_logprobs / finish_reason / usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from engines.rollout.engine import RolloutEngine
+from engines.rollout.loop import EngineLoop
+from engines.rollout.messages import GenerateOutput, GenerateRequest, SamplingParams
+from engines.rollout.migration import ShmHandle, ShmTransport
+from engines.rollout.runner import read_weights
+
+
+class CompletionRequest(BaseModel):
+    """The vLLM completions fields we serve; unknown fields are ignored (as vLLM does, with a warning)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: list[int] | list[list[int]] = Field(description="token ids, or a list of token id lists")
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = Field(None, ge=0)
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    n: int = 1
+    stream: bool | None = False
+    echo: bool | None = False
+    session_id: str | None = Field(None, description="extension: calls of one session share a KV cache")
+    request_id: str | None = None
+
+
+class WeightsRequest(BaseModel):
+    path: str = Field(description="a safetensors file or an HF folder, on this host")
+    version: int | None = Field(None, description="None = the file's 'version' metadata")
+    drop_kv: bool = False
+
+
+class ExportRequest(BaseModel):
+    session_id: str
+
+
+class ImportRequest(BaseModel):
+    handle: ShmHandle
+    wait: bool = Field(False, description="answer with the migrated request's completion once it ends")
+
+
+def create_app(
+    engine: RolloutEngine,
+    *,
+    admin_token: str | None = None,
+    model_name: str = "gyre-policy",
+    transport: ShmTransport | None = None,
+) -> FastAPI:
+    transport = transport or ShmTransport()
+    loop = EngineLoop(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="gyrerl rollout engine", lifespan=lifespan)
+    app.state.engine, app.state.loop = engine, loop
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, str(exc.errors()[:3]))
+
+    def admin(request: Request) -> None:
+        if admin_token is None:
+            raise HTTPException(403, "admin endpoints are off: start the server with an admin token")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), admin_token.encode()):
+            raise HTTPException(
+                401, "missing or wrong admin bearer token", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "gyrerl"}
+        card["max_model_len"] = engine.runner.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        if body.n != 1 or body.stream or body.echo:
+            return _error(400, "n > 1, stream and echo are not supported")
+        prompts = [body.prompt] if body.prompt and isinstance(body.prompt[0], int) else body.prompt
+        if not prompts or any(not p for p in prompts):
+            return _error(
+                400, "prompt must be a non-empty list of token ids (or of such lists); no tokenizer here"
+            )
+        if body.session_id is not None and len(prompts) > 1:
+            return _error(400, "session_id needs a single prompt")
+        sampling = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k in (None, -1) else body.top_k,
+            seed=body.seed,
+            stop_token_ids=body.stop_token_ids or [],
+            max_tokens=body.max_tokens or 16,
+        )
+        base = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        requests = [
+            GenerateRequest(
+                request_id=base if len(prompts) == 1 else f"{base}-{i}",
+                session_id=body.session_id,
+                prompt_ids=prompt,
+                sampling=sampling,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        try:
+            outputs = await asyncio.gather(*(loop.generate(r) for r in requests))
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return _completion(base, model_name, outputs, body.logprobs)
+
+    @app.post("/admin/weights", dependencies=[Depends(admin)])
+    def weights(body: WeightsRequest) -> dict:
+        state, file_version = read_weights(body.path)
+        version = body.version if body.version is not None else file_version
+        if version is None:
+            raise HTTPException(400, f"{body.path} has no 'version' metadata: pass version")
+        engine.update_weights(state, version, drop_kv=body.drop_kv)
+        return {"policy_version": engine.policy_version}
+
+    @app.post("/admin/sleep", dependencies=[Depends(admin)])
+    def sleep() -> dict:
+        engine.sleep()
+        return {"asleep": engine.asleep}
+
+    @app.post("/admin/wake", dependencies=[Depends(admin)])
+    def wake(body: WeightsRequest) -> dict:
+        engine.wake(body.path, body.version)
+        loop.notify()
+        return {"asleep": engine.asleep, "policy_version": engine.policy_version}
+
+    @app.post("/admin/export_session", dependencies=[Depends(admin)])
+    def export_session(body: ExportRequest) -> dict:
+        try:
+            state = engine.export_session(body.session_id)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc)) from exc
+        loop.notify()  # an in-flight request ends with finish_reason 'migrated'
+        return transport.send(state).model_dump()
+
+    @app.post("/admin/import_session", dependencies=[Depends(admin)])
+    async def import_session(body: ImportRequest):
+        state = await asyncio.to_thread(transport.receive, body.handle)
+        request_id = state.decode.request.request_id if state.decode else None
+        future = loop.expect(request_id) if body.wait and request_id else None
+        try:
+            await asyncio.to_thread(engine.import_session, state)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        loop.notify()
+        if future is None:
+            return {"session_id": state.session_id, "request_id": request_id}
+        return _completion(request_id, model_name, [await future], logprobs=1)
+
+    @app.get("/admin/stats", dependencies=[Depends(admin)])
+    def stats() -> dict:
+        return {
+            "engine_id": engine.config.engine_id,
+            "policy_version": engine.policy_version,
+            "asleep": engine.asleep,
+            "sessions": len(engine.sessions),
+            "waiting": len(engine.waiting),
+            "running": len(engine.running),
+            "kv_tokens": engine.kv_tokens,
+            "kv_budget_tokens": engine.config.kv_budget_tokens,
+            **engine.stats.as_dict(),
+        }
+
+    return app
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    body = {
+        "error": {"message": message, "type": "BadRequestError" if status == 400 else "Error", "code": status}
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def _completion(response_id: str, model: str, outputs: list[GenerateOutput], logprobs: int | None) -> dict:
+    choices = []
+    for index, out in enumerate(outputs):
+        choice = {
+            "index": index,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.output_ids[-1] if out.finish_reason == "stop" else None,
+            "token_ids": out.output_ids,
+            "gyre": {
+                "request_id": out.request_id,
+                "session_id": out.session_id,
+                "policy_versions": out.policy_versions,
+                "engine_id": out.engine_id,
+                "cached_prompt_tokens": out.cached_prompt_tokens,
+                "prefilled_tokens": out.prefilled_tokens,
+                "migrated": out.migrated,
+            },
+        }
+        if logprobs is not None:
+            choice["logprobs"] = {
+                "text_offset": [0] * len(out.output_ids),
+                "token_logprobs": out.output_logprobs,
+                "tokens": [f"token_id:{t}" for t in out.output_ids],
+                "top_logprobs": [None] * len(out.output_ids),
+            }
+        choices.append(choice)
+    prompt_tokens = sum(o.prompt_tokens for o in outputs)
+    completion_tokens = sum(len(o.output_ids) for o in outputs)
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_prompt_tokens for o in outputs)},
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from engines.rollout.config import EngineConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="HF folder of the policy")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--served-model-name", default="gyre-policy")
+    parser.add_argument(
+        "--admin-token", default=None, help="default: $GYRE_ROLLOUT_ADMIN_TOKEN; none = admin off"
+    )
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--kv-budget-tokens", type=int, default=262_144)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--engine-id", default="rollout-0")
+    args = parser.parse_args(argv)
+    token = args.admin_token or os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN")  # the one env read
+    config = EngineConfig(
+        max_batch_size=args.max_batch_size,
+        kv_budget_tokens=args.kv_budget_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        engine_id=args.engine_id,
+    )
+    app = create_app(RolloutEngine(args.model, config), admin_token=token, model_name=args.served_model_name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
