@@ -26,7 +26,8 @@ def test_checkpoint_resumes_weights_optimizer_and_step(tmp_path, zero_stage):
     assert (tmp_path / "ck" / "hf" / "config.json").exists()
     assert (tmp_path / "ck" / "hf" / "model.safetensors").exists()
 
-    resumed = CoreTrainer(tiny_model(4), config)  # other initial weights: everything must come from the checkpoint
+    # other initial weights: everything must come from the checkpoint
+    resumed = CoreTrainer(tiny_model(4), config)
     resumed.load_checkpoint(str(tmp_path / "ck"))
     assert (resumed.step, resumed.version) == (1, 1)
     for name, value in core.weights().items():

@@ -140,7 +140,9 @@ class _SequenceBuilder:
         logprobs = tree.logprobs[start : start + n] if policy else np.zeros(n, dtype=np.float32)
         self.pieces["behaviour_logprobs"].append(logprobs)
         self.pieces["advantages"].append(np.full(n, advantage if policy else 0.0, dtype=np.float32))
-        self.pieces["policy_versions"].append(np.full(n, tree.versions[node] if policy else -1, dtype=np.int32))
+        self.pieces["policy_versions"].append(
+            np.full(n, tree.versions[node] if policy else -1, dtype=np.int32)
+        )
         self.pieces["execution_index"].append(
             np.full(n, self.execution_slot(tree.execution_id), dtype=np.int32)
         )
