@@ -51,11 +51,18 @@ def ensure_distributed() -> None:
         _DISTRIBUTED_READY = True
         return
     deepspeed = _deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
     # DeepSpeed's engine reads these variables itself (set by its launcher or torchrun otherwise)
     for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)
+    # the engine lives on DeepSpeed's accelerator: on CUDA its ZeRO collectives take GPU tensors, which
+    # NCCL reduces in place (gloo would stage them through the host, and lacks some ops on GPU tensors);
+    # on the CPU accelerator gloo (its own default, oneCCL, is not installed). Satellites reduce over
+    # their own gloo groups (elastic.py), whatever this is.
+    backend = "nccl" if get_accelerator().device_name() == "cuda" else "gloo"
     deepspeed.init_distributed(
-        dist_backend="gloo",
+        dist_backend=backend,
         auto_mpi_discovery=False,
         init_method=f"tcp://127.0.0.1:{_free_port()}",
         rank=0,

@@ -1,0 +1,135 @@
+"""bench/gpu.py (the GPU check of issue 6) on the CPU: it falls back to the tiny preset, every section
+measures or records why it did not, and the JSON is there even when sections fail or are skipped.
+No timing is asserted: the figures of a CPU run mean nothing, the script's behaviour does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import gpu
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU machine run `bash bench/gpu_check.sh` instead"
+)
+
+# what each section's figures must hold when it ran
+FIGURES = {
+    "engine": "runs",
+    "train": "equality_fp32",
+    "deepspeed": "mean_step_s",
+    "role_switch": "train_to_rollout_s",
+    "migration": "runs",
+}
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("gpu-models"))
+
+
+@pytest.mark.slow
+def test_cpu_fallback_runs_every_section_on_the_tiny_preset(tmp_path, models_dir, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "device-out"))
+    out = tmp_path / "gpu.json"
+    report = gpu.main(str(out), budget_s=900, quick=True, models_dir=models_dir)
+
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(report, default=str))
+    assert json.loads((tmp_path / "device-out" / "gpu.json").read_text()) == written  # the $OUT copy
+    assert written["device"] == "cpu" and written["fallback"]
+    assert set(written["models"]) == {"tiny"}
+    assert set(written["plan"]["engine_presets"] + written["plan"]["train_presets"]) == {"tiny"}
+    assert set(written["sections"]) == set(gpu.SECTIONS)
+    for name, entry in written["sections"].items():
+        assert entry["status"] == "ok", (name, entry.get("error"))
+        assert FIGURES[name] in entry, name
+        assert entry["wall_s"] >= 0
+
+    engine = written["sections"]["engine"]["runs"]
+    assert [r["batch"] for r in engine] == [1, 4]
+    for run in engine:  # same prompts, same counts: ours reuses the session prefix, HF re-reads it
+        assert run["generated_tokens"] == run["batch"] * run["turns"] * written["plan"]["max_tokens"]
+        assert run["ours_cached_tokens"] > 0
+        assert run["ours_prefilled_tokens"] < run["prompt_tokens"]
+    equality = written["sections"]["train"]["equality_fp32"]
+    assert equality["max_abs_logprob_diff"] < 1e-4
+    assert equality["grad_rel_diff"] < 1e-4
+    switch = written["sections"]["role_switch"]
+    assert all(c["engine_has_new_weights"] for c in switch["cycles"])
+    assert [c["token_policy_version"] for c in switch["cycles"]] == [1, 2]
+    migration = written["sections"]["migration"]
+    assert "cuda_ipc" in migration  # the recorded reason CUDA IPC did not run here
+    for run in migration["runs"]:
+        assert run["recompute_prefilled_tokens"] == run["context_tokens"]
+        for kind in ("shm", "ipc"):  # a moved session prefills only the next call's last token
+            assert run[kind]["prefilled_after_import"] == 1
+            assert run[kind]["kv_bytes"] > 0
+    assert any("rollout->train" in line for line in written["summary"])
+
+    # a rerun of one section keeps the others from the run before
+    rerun = gpu.main(str(out), budget_s=900, quick=True, models_dir=models_dir, sections=["role_switch"])
+    assert rerun["sections"]["role_switch"]["status"] == "ok"
+    assert "from_previous_run" not in rerun["sections"]["role_switch"]
+    for name in set(gpu.SECTIONS) - {"role_switch"}:
+        assert rerun["sections"][name] == {**written["sections"][name], "from_previous_run": True}
+
+
+def test_sections_out_of_budget_are_skipped_with_a_reason(tmp_path, models_dir):
+    out = tmp_path / "gpu.json"
+    gpu.main(str(out), budget_s=0, quick=True, models_dir=models_dir)
+    sections = json.loads(out.read_text())["sections"]
+    assert set(sections) == set(gpu.SECTIONS)
+    for entry in sections.values():
+        assert entry["status"] == "skipped"
+        assert "budget" in entry["reason"]
+
+
+def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("models cannot be built under a file")
+    out = tmp_path / "gpu.json"
+    report = gpu.main(str(out), budget_s=600, quick=True, models_dir=str(blocked))
+    assert "error" in report["models"]["tiny"]
+    sections = json.loads(out.read_text())["sections"]
+    assert set(sections) == set(gpu.SECTIONS)  # every section was tried after the first one failed
+    for name, entry in sections.items():
+        assert entry["status"] == "error", name
+        assert "was not built" in entry["error"]
+
+
+def test_torch_ipc_transport_moves_a_request_mid_decode_exactly():
+    """The transport the GPU run uses for CUDA IPC, here over CPU shared memory: a request moved after
+    K tokens continues exactly as if it had never moved, and B prefills none of the context."""
+    from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams
+    from tests.test_rollout_fixtures import VOCAB, one_cpu_thread, tiny_policy
+
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=20)
+    request = GenerateRequest(request_id="m", session_id="s", prompt_ids=prompt, sampling=sampling)
+    with one_cpu_thread():
+        model = tiny_policy()
+        unmigrated = RolloutEngine(model, EngineConfig()).generate([request])[0]
+        a, b = (
+            RolloutEngine(model, EngineConfig(engine_id="A")),
+            RolloutEngine(model, EngineConfig(engine_id="B")),
+        )
+        a.add_request(request)
+        for _ in range(6):
+            a.step()
+        transport = gpu.TorchIpcTransport()
+        handle = transport.send(a.export_session("s"))
+        wire = gpu.TorchIpcHandle.model_validate_json(
+            handle.model_dump_json()
+        )  # JSON-able, as a gateway sends it
+        b.import_session(transport.receive(wire))
+        transport.release("s")
+        prefilled = b.stats.prefilled_tokens
+        migrated = []
+        while b.has_unfinished():  # B continues the moved request where A stopped
+            migrated += [o for o in b.step() if o.request_id == "m"]
+    assert migrated[0].migrated
+    assert migrated[0].output_ids == unmigrated.output_ids
+    assert b.stats.prefilled_tokens == prefilled  # the moved context was not recomputed
