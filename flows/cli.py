@@ -8,6 +8,9 @@
     gyre sql [--format table|csv|json] "SQL"           query the views
     gyre bench store [--quick]                         the storage benchmark
     gyre bench train [--quick]                         the training benchmark
+    gyre bench engine [--quick]                        rollout engine vs HF generate, KV migration, gateway overhead
+    gyre gateway --model DIR --engine URL [...]        the OpenAI-compatible gateway in front of rollout engines
+    gyre engine --model DIR [--port 8100]              one rollout engine's token-id server
     gyre model init --preset tiny --out URL [--seed N]  a random-init policy model + tokenizer (HF format)
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
@@ -85,6 +88,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train_bench.add_argument("--quick", action="store_true", help="the tiny model (under two minutes)")
     train_bench.add_argument("--out", default="bench/results/train.json")
+    engine_bench = bench_commands.add_parser(
+        "engine", help="rollout: engine vs HF generate, KV migration vs recompute, gateway overhead"
+    )
+    engine_bench.add_argument(
+        "--quick", action="store_true", help="the tiny model, 2K/8K (about two minutes)"
+    )
+    engine_bench.add_argument("--out", default="bench/results/engine.json")
+
+    gateway = commands.add_parser("gateway", help="run the OpenAI-compatible gateway (records every call)")
+    gateway.add_argument("--model", required=True, help="folder of the policy's tokenizer (chat template)")
+    gateway.add_argument(
+        "--engine", action="append", default=[], metavar="URL", help="a rollout engine (repeat)"
+    )
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8200)
+    gateway.add_argument("--public-url", default=None, help="base of the base_urls handed out")
+    gateway.add_argument(
+        "--admin-token", default=None, help="default: $GYRE_GATEWAY_ADMIN_TOKEN, else random"
+    )
+    gateway.add_argument("--engine-admin-token", default=None, help="default: $GYRE_ROLLOUT_ADMIN_TOKEN")
+    gateway.add_argument("--data-root", default=None, help="trajectory store URL (default: $GYRE_DATA_ROOT)")
+    gateway.add_argument("--campaign", default=None, help="default: $GYRE_CAMPAIGN or 'default'")
+    gateway.add_argument("--step", type=int, default=0, help="step of executions registered without one")
+
+    engine = commands.add_parser("engine", help="run one rollout engine (token-id completions + KV admin)")
+    engine.add_argument("--model", required=True, help="HF folder of the policy")
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=8100)
+    engine.add_argument("--engine-id", default="rollout-0")
+    engine.add_argument(
+        "--admin-token", default=None, help="default: $GYRE_ROLLOUT_ADMIN_TOKEN; none = admin off"
+    )
+    engine.add_argument("--device", default="auto")
 
     model = commands.add_parser("model", help="policy models: initialize one (HF format, any fsspec URL)")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
@@ -130,6 +166,22 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.train import main as bench_train
 
         return bench_train(quick=args.quick, out=args.out)
+    if args.command == "bench" and args.bench_command == "engine":
+        from bench.engine import main as bench_engine
+
+        return bench_engine(quick=args.quick, out=args.out)
+    if args.command == "gateway":
+        from tasks.serve import gateway_options, serve_gateway
+
+        args.data_root = args.data_root or settings.default_data_root()
+        args.campaign = args.campaign or settings.default_campaign()
+        serve_gateway(gateway_options(args))
+        return 0
+    if args.command == "engine":
+        from tasks.serve import serve_engine
+
+        serve_engine(args.model, args.host, args.port, args.engine_id, args.admin_token, args.device)
+        return 0
     if args.command == "traj" and args.traj_command == "sample":
         from tasks.trajectory import write_synthetic_trace
 

@@ -1,0 +1,294 @@
+"""The gateway's HTTP front (FastAPI). `create_app(gateway)`; run it with uvicorn (see __main__.py).
+
+OpenAI-compatible, per execution (Authorization: Bearer <the execution's api_key>):
+    POST /x/<execution_id>/v1/chat/completions                    the main agent
+    POST /x/<execution_id>/agents/<agent_id>/v1/chat/completions  a sub-agent (one engine session each)
+    POST .../v1/completions, GET .../v1/models                    on both prefixes
+    POST /v1/chat/completions, /v1/completions, GET /v1/models    the key alone names the execution;
+                                                                  X-Gyre-Agent (or gyre_agent) a sub-agent
+Role of a call: header X-Gyre-Role (or extra_body gyre_role): main, sub, main_summary, sub_summary;
+default "main" for the main agent, "sub" for sub-agents.
+
+Admin (Authorization: Bearer <admin_token>; 403 when the gateway has none, 401 when wrong):
+    POST /admin/executions {execution_id, problem_id, group_id, step, harness}
+                                   -> {base_url, agent_base_url, api_key, step, created}
+    GET  /admin/executions/<id>    POST /admin/executions/<id>/finish {status, reward, reward_source, snapshot_uri}
+    POST /admin/engines {url, engine_id?, admin_token?}   POST /admin/engines/<id>/drain | /activate
+    GET  /admin/stats[?samples=true]   POST /admin/flush
+GET /health needs nothing.
+
+Errors are OpenAI-shaped (errors.py): 400 malformed JSON or fields, unknown role, n > 1, prompt above
+max_prompt_tokens (code context_length_exceeded); 401 missing/wrong key; 404 unknown or finished
+execution, unknown route; 413 body above max_request_bytes (checked against Content-Length first, then
+while reading); 503 no engine left. stream=true is emulated: the completion is computed whole, then
+sent as SSE chunks (role, content, tool calls, finish, usage) and [DONE]; the engine API has no token
+streaming.
+
+Timing: a small ASGI wrapper measures each completion request from arrival to the last body byte sent,
+minus the time spent waiting on engines: gateway.overhead_ms (p50/p99 in /admin/stats).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.gateway.errors import GatewayError, error_body
+from engines.gateway.protocol import (
+    ID_PATTERN,
+    AddEngine,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FinishExecution,
+    RegisterExecution,
+    chat_chunks,
+    completion_chunks,
+    sse,
+)
+from engines.gateway.registry import Execution
+from engines.gateway.service import Gateway
+
+logger = logging.getLogger(__name__)
+Body = TypeVar("Body", bound=BaseModel)
+_ID = re.compile(ID_PATTERN)
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="gyrerl gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+    limit = gateway.config.limits.max_request_bytes
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        if exc.status < 500:
+            gateway.stats.client_errors += 1
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = (
+            f"no route {request.method} {request.url.path}"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, _describe(exc.errors())), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal gateway error: {exc!r}"), status_code=500)
+
+    async def read(request: Request, model: type[Body]) -> Body:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise GatewayError(
+                413,
+                f"request body of {declared} bytes is above the {limit}-byte limit",
+                code="request_too_large",
+            )
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise GatewayError(
+                    413, f"request body is above the {limit}-byte limit", code="request_too_large"
+                )
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+        if not isinstance(data, dict):
+            raise GatewayError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+            raise GatewayError(400, _describe(errors), param=param) from exc
+
+    def admin(request: Request) -> None:
+        token = gateway.config.admin_token
+        if token is None:
+            raise GatewayError(403, "the admin API is off: start the gateway with an admin token")
+        if not secrets.compare_digest(_bearer(request).encode(), token.encode()):
+            raise GatewayError(401, "missing or wrong admin bearer token", code="invalid_api_key")
+
+    def caller(
+        request: Request, execution_id: str | None, agent_id: str | None, body: Any
+    ) -> tuple[Execution, str, str]:
+        if execution_id is None:
+            execution = gateway.registry.by_key(_bearer(request))
+        else:
+            execution = gateway.registry.authenticate(execution_id, _bearer(request) or None)
+        if agent_id is None:
+            agent_id = request.headers.get("x-gyre-agent") or getattr(body, "gyre_agent", None) or "main"
+        if not _ID.match(agent_id):
+            raise GatewayError(
+                400, f"bad agent id {agent_id!r}: letters, digits and ._:@+- only", param="agent_id"
+            )
+        role = request.headers.get("x-gyre-role") or getattr(body, "gyre_role", None)
+        return execution, agent_id, role or ("main" if agent_id == "main" else "sub")
+
+    # OpenAI-compatible ------------------------------------------------------------------------------
+    async def chat(
+        request: Request, execution_id: str | None = None, agent_id: str | None = None
+    ) -> Response:
+        body = await read(request, ChatCompletionRequest)
+        execution, agent, role = caller(request, execution_id, agent_id, body)
+        completion, engine_s = await gateway.chat(execution, agent, role, body)
+        request.state.gyre_engine_s = engine_s
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(sse(chat_chunks(completion, include)))
+        return Response(orjson.dumps(completion), media_type="application/json")
+
+    async def completions(
+        request: Request, execution_id: str | None = None, agent_id: str | None = None
+    ) -> Response:
+        body = await read(request, CompletionRequest)
+        execution, agent, role = caller(request, execution_id, agent_id, body)
+        completion, engine_s = await gateway.complete(execution, agent, role, body)
+        request.state.gyre_engine_s = engine_s
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(sse(completion_chunks(completion, include)))
+        return Response(orjson.dumps(completion), media_type="application/json")
+
+    async def models(request: Request, execution_id: str | None = None, agent_id: str | None = None) -> dict:
+        token = _bearer(request)
+        admin_token = gateway.config.admin_token
+        if execution_id is not None:
+            gateway.registry.authenticate(execution_id, token or None)
+        elif not (admin_token and secrets.compare_digest(token.encode(), admin_token.encode())):
+            gateway.registry.by_key(token)
+        card = {"id": gateway.config.served_model_name, "object": "model", "created": 0, "owned_by": "gyrerl"}
+        return {"object": "list", "data": [card]}
+
+    for prefix in ("", "/x/{execution_id}", "/x/{execution_id}/agents/{agent_id}"):
+        app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/completions", completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    # admin ------------------------------------------------------------------------------------------
+    @app.post("/admin/executions")
+    async def register(request: Request) -> dict:
+        admin(request)
+        return gateway.register_execution(await read(request, RegisterExecution))
+
+    @app.get("/admin/executions/{execution_id}")
+    async def execution_info(request: Request, execution_id: str) -> dict:
+        admin(request)
+        execution = gateway.registry.get(execution_id)
+        return {
+            "execution_id": execution.execution_id,
+            "step": execution.step,
+            "calls": execution.calls,
+            "agents": {
+                a.agent_id: {"calls": a.calls, "engine": a.route.engine.engine_id if a.route.engine else None}
+                for a in execution.agents.values()
+            },
+        }
+
+    @app.post("/admin/executions/{execution_id}/finish")
+    async def finish(request: Request, execution_id: str) -> dict:
+        admin(request)
+        return await gateway.finish_execution(execution_id, await read(request, FinishExecution))
+
+    @app.post("/admin/engines")
+    async def add_engine(request: Request) -> dict:
+        admin(request)
+        return await gateway.add_engine(await read(request, AddEngine))
+
+    @app.post("/admin/engines/{engine_id}/drain")
+    async def drain(request: Request, engine_id: str) -> dict:
+        admin(request)
+        return await gateway.router.drain(engine_id)
+
+    @app.post("/admin/engines/{engine_id}/activate")
+    async def activate(request: Request, engine_id: str) -> dict:
+        admin(request)
+        gateway.router.activate(engine_id)
+        return {"engine_id": engine_id, "state": "active"}
+
+    @app.get("/admin/stats")
+    async def stats(request: Request, samples: bool = False) -> dict:
+        admin(request)
+        return gateway.describe(samples=samples)
+
+    @app.post("/admin/flush")
+    async def flush(request: Request) -> dict:
+        admin(request)
+        return await gateway.flush()
+
+    return OverheadTimer(app, gateway)  # type: ignore[return-value]
+
+
+class OverheadTimer:
+    """ASGI wrapper: per completion request, arrival to last byte sent minus the engine time the handler
+    reported (request.state.gyre_engine_s), into gateway.overhead_ms. Other paths pass straight through."""
+
+    def __init__(self, app: FastAPI, gateway: Gateway):
+        self.app = app
+        self.gateway = gateway
+        self.state = app.state  # tests and callers reach app.state.gateway through the wrapper
+
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith("completions"):
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        await self.app(scope, receive, send)
+        engine_s = scope.get("state", {}).get("gyre_engine_s")
+        if engine_s is not None:
+            self.gateway.overhead_ms.append((time.perf_counter() - start - engine_s) * 1e3)
+
+
+def _bearer(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _stream(payload: bytes) -> StreamingResponse:
+    async def body():
+        for event in payload.split(b"\n\n")[:-1]:
+            yield event + b"\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+def _describe(errors: list[Any]) -> str:
+    parts = []
+    for error in errors[:3]:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    return "invalid request: " + "; ".join(parts)

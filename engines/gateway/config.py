@@ -1,0 +1,97 @@
+"""Typed configuration of the gateway (DESIGN.md section 3: each layer owns its config).
+
+GatewayConfig   where it listens, who may administer it, which engines stand behind it, where calls
+                are recorded; its sections: LimitsConfig, EngineSpec (one per engine), StoreConfig
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from trajectory_store.storage import StoreConfig
+
+
+class LimitsConfig(BaseModel):
+    """What one request may ask for. Each breach is a 4xx with an OpenAI-style error body."""
+
+    max_request_bytes: int = Field(
+        32 * 2**20,
+        ge=1024,
+        description="largest request body; above it the gateway answers 413 without parsing it",
+    )
+    max_prompt_tokens: int = Field(
+        262_144,
+        ge=1,
+        description="longest prompt after the chat template; above it 400 (code context_length_exceeded). "
+        "Each engine also refuses prompts that leave no room under its max_model_len (400 too)",
+    )
+    max_tokens_cap: int = Field(
+        32_768, ge=1, description="a request's max_tokens (or max_completion_tokens) is clamped to this"
+    )
+    default_max_tokens: int = Field(
+        4096, ge=1, description="max_tokens of a request that gives none (OpenAI's own default is unbounded)"
+    )
+
+
+class EngineSpec(BaseModel):
+    """One rollout engine behind the gateway: our token-id server, or any vLLM-compatible one."""
+
+    url: str = Field(description="base URL of the engine's HTTP server, e.g. http://127.0.0.1:8100")
+    engine_id: str | None = Field(
+        None,
+        description="name in routing, stats and records; None = the engine's own id from /admin/stats, "
+        "else 'engine-<n>'",
+    )
+    admin_token: str | None = Field(
+        None,
+        description="the engine's admin bearer token (KV export/import for drain); None = "
+        "GatewayConfig.engine_admin_token",
+    )
+
+
+class GatewayConfig(BaseModel):
+    """The gateway process: an OpenAI-compatible front for many rollout engines, recording every call."""
+
+    model: str = Field(description="local folder of the policy's tokenizer (tokenizer.json, chat template)")
+    host: str = Field("127.0.0.1", description="bind address; loopback unless told otherwise")
+    port: int = Field(8200, ge=0, le=65535, description="bind port")
+    public_url: str | None = Field(
+        None,
+        description="base of the per-execution base_urls handed out; None = http://<host>:<port>",
+    )
+    served_model_name: str = Field("gyre-policy", description="the model id /v1/models lists")
+    admin_token: str | None = Field(
+        None,
+        description="bearer token of the /admin API; None = admin endpoints answer 403",
+    )
+    engines: list[EngineSpec] = Field(default_factory=list, description="engines added at startup")
+    engine_admin_token: str | None = Field(
+        None, description="default admin token of the engines (their KV export/import endpoints)"
+    )
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig, description="where calls and executions land")
+    step: int = Field(0, ge=0, description="step of an execution registered without one")
+    flush_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="the recorders flush this often (and on every finished execution and /admin/flush)",
+    )
+    engine_connect_timeout_s: float = Field(5.0, gt=0, description="connecting to an engine")
+    engine_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="most seconds one engine call may take; None = as long as the generation takes "
+        "(an agent's call can legitimately decode for minutes)",
+    )
+    fidelity_window_calls: int = Field(
+        32,
+        ge=1,
+        description="per (execution, agent), the last this-many calls' token ids are kept for reuse; an "
+        "older context sent again is re-tokenized (and counted)",
+    )
+    overhead_samples: int = Field(
+        10_000, ge=100, description="how many recent per-call overhead timings /admin/stats summarizes"
+    )
+
+    def base_url(self) -> str:
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

@@ -1,0 +1,145 @@
+"""EngineClient: the gateway's HTTP link to one rollout engine.
+
+Generation uses only the vLLM-compatible subset of engines/rollout/server.py (token-id prompt, sampling
+fields, stop_token_ids, logprobs, return_tokens_as_token_ids + return_token_ids; read token_ids,
+token_logprobs, finish_reason, usage), plus session_id and request_id, which recent vLLM declares too.
+Our server's per-choice ``gyre`` extension (engine id, policy versions, prefilled tokens, migrated) is
+read when present. KV migration uses our admin endpoints (/admin/export_session, /admin/import_session):
+a vLLM engine can serve but not be drained with its KV (its sessions are then recomputed elsewhere).
+
+Transport: generation goes through http.py's KeepAliveClient (one send per request, ~2 ms less per
+call than httpx, see there); admin calls go through httpx. Failure mapping: no connection, or a
+connection dropped mid-request -> EngineDown (the router marks the engine dead and re-runs the call
+elsewhere); a timeout or an error status -> EngineRejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+import httpx
+import orjson
+
+from engines.gateway.errors import EngineDown, EngineRejected
+from engines.gateway.http import KeepAliveClient
+
+EngineState = Literal["active", "draining", "dead"]
+_JSON = {"content-type": "application/json"}
+
+
+class EngineClient:
+    """Attributes: engine_id, url, state ('active' takes new sessions; 'draining' keeps serving what it
+    holds until moved; 'dead' gets nothing), in_flight (requests the gateway has sent and not yet got
+    back), sessions (ids of the sessions bound to it), model_name / max_model_len (from /v1/models),
+    policy_version (from /admin/stats; per-token versions in responses take precedence)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        url: str,
+        *,
+        admin_token: str | None = None,
+        connect_timeout_s: float = 5.0,
+        timeout_s: float | None = None,
+    ):
+        self.engine_id = engine_id
+        self.url = url.rstrip("/")
+        self.admin_token = admin_token
+        self.state: EngineState = "active"
+        self.in_flight = 0
+        self.sessions: set[str] = set()
+        self.model_name: str | None = None
+        self.max_model_len: int | None = None
+        self.policy_version: int | None = None
+        self.calls = 0
+        self.fast = KeepAliveClient(self.url, connect_timeout_s=connect_timeout_s, timeout_s=timeout_s)
+        self.client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    @property
+    def load(self) -> int:
+        return len(self.sessions) + self.in_flight
+
+    async def probe(self) -> None:
+        """Reads the served model (and, with an admin token, the engine's id and policy version)."""
+        models = await self._request("GET", "/v1/models")
+        card = (models.get("data") or [{}])[0]
+        self.model_name = card.get("id")
+        self.max_model_len = card.get("max_model_len")
+        if self.admin_token:
+            stats = await self._request("GET", "/admin/stats", admin=True)
+            self.policy_version = stats.get("policy_version")
+
+    async def own_engine_id(self) -> str | None:
+        if not self.admin_token:
+            return None
+        return (await self._request("GET", "/admin/stats", admin=True)).get("engine_id")
+
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.model_name is not None:
+            body = {**body, "model": self.model_name}
+        self.calls += 1
+        content = orjson.dumps(body)
+        try:
+            status, data = await self.fast.request("POST", "/v1/completions", content, dict(_JSON))
+        except TimeoutError as exc:
+            raise EngineRejected(self.engine_id, 504, "timed out") from exc
+        except (OSError, asyncio.IncompleteReadError) as exc:  # ConnectionError is an OSError
+            raise EngineDown(self.engine_id, repr(exc)) from exc
+        if status >= 400:
+            raise EngineRejected(self.engine_id, status, _message(data))
+        return orjson.loads(data)
+
+    async def export_session(self, session_id: str) -> dict[str, Any] | None:
+        """The session's KV handle, or None when this engine holds no such session."""
+        try:
+            return await self._request(
+                "POST", "/admin/export_session", {"session_id": session_id}, admin=True
+            )
+        except EngineRejected as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def import_session(self, handle: dict[str, Any], *, wait: bool) -> dict[str, Any]:
+        body = {"handle": handle, "wait": wait}
+        return await self._request("POST", "/admin/import_session", body, admin=True)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._request("GET", "/admin/stats", admin=True)
+
+    async def close(self) -> None:
+        await self.fast.close()
+        await self.client.aclose()
+
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, admin: bool = False
+    ) -> dict[str, Any]:
+        headers = dict(_JSON)
+        if admin:
+            if not self.admin_token:
+                raise EngineRejected(self.engine_id, 403, "no admin token configured for this engine")
+            headers["authorization"] = f"Bearer {self.admin_token}"
+        content = orjson.dumps(body) if body is not None else None
+        try:
+            response = await self.client.request(method, path, content=content, headers=headers)
+        except httpx.TimeoutException as exc:
+            raise EngineRejected(self.engine_id, 504, f"timed out: {exc!r}") from exc
+        except httpx.TransportError as exc:
+            raise EngineDown(self.engine_id, repr(exc)) from exc
+        if response.status_code >= 400:
+            raise EngineRejected(self.engine_id, response.status_code, _message(response.content))
+        return orjson.loads(response.content)
+
+
+def _message(data: bytes) -> str:
+    """The error message of an OpenAI-style ({"error": {"message"}}) or FastAPI ({"detail"}) body."""
+    try:
+        error = orjson.loads(data)
+        return str(error.get("error", {}).get("message") or error.get("detail") or data[:500].decode())
+    except (orjson.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return data[:500].decode(errors="replace")

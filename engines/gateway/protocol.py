@@ -1,0 +1,229 @@
+"""The OpenAI wire format the gateway speaks: request models (lenient: unknown fields are ignored, as
+vLLM does) and the response / stream-chunk builders.
+
+    ChatCompletionRequest   POST .../v1/chat/completions
+    CompletionRequest       POST .../v1/completions (prompt: text or token ids, one prompt per request)
+    RegisterExecution, FinishExecution, AddEngine   admin bodies
+
+Supported: messages (system, developer = system, user, assistant with tool_calls, tool), tools,
+tool_choice ("none" turns tool-call parsing off; "auto", "required" and a named function parse tool
+calls but cannot force one: no guided decoding), temperature, top_p, top_k (extension), seed,
+max_tokens / max_completion_tokens, stop (strings), stream (+ stream_options.include_usage), logprobs
+(chosen tokens only; top_logprobs lists are empty). Refused with 400: n > 1, echo, best_of > 1.
+Ignored: response_format, frequency/presence penalties, logit_bias, parallel_tool_calls, user.
+Gyre extensions (header or extra_body): X-Gyre-Role / gyre_role, X-Gyre-Agent / gyre_agent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engines.gateway.errors import GatewayError
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it (developer becomes system)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        message["content"] = self.content
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    gyre_role: str | None = None
+    gyre_agent: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return value
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(tools or []):
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict):
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        return tools
+
+    def tools_on(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise GatewayError(400, "one prompt per request (send several requests)", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise GatewayError(400, "prompt is empty", param="prompt")
+        return prompt
+
+
+class RegisterExecution(_Lenient):
+    execution_id: str = Field(pattern=ID_PATTERN)
+    problem_id: str | None = None
+    group_id: str | None = None
+    step: int | None = Field(None, ge=0)
+    harness: str | None = None
+
+
+class FinishExecution(_Lenient):
+    status: Literal["completed", "timeout", "error", "eval_failed"]
+    reward: float | None = None
+    reward_source: Literal["final", "workspace_snapshot", "placeholder"] | None = None
+    snapshot_uri: str | None = None
+
+
+class AddEngine(_Lenient):
+    url: str
+    engine_id: str | None = Field(None, pattern=ID_PATTERN)
+    admin_token: str | None = None
+
+
+# responses --------------------------------------------------------------------------------------------
+def chat_completion(
+    response_id: str,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    gyre: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "usage": usage,
+        "system_fingerprint": None,
+        "gyre": gyre,
+    }
+
+
+def chat_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A finished chat completion as the stream of chunks OpenAI would send (role, content, tool calls,
+    finish reason, then usage when asked for)."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    head = {k: completion[k] for k in ("id", "created", "model", "system_fingerprint")}
+    head["object"] = "chat.completion.chunk"
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return {
+            **head,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if message.get("content"):
+        chunks.append(chunk({"content": message["content"]}, logprobs=choice.get("logprobs")))
+    for index, call in enumerate(message.get("tool_calls") or []):
+        chunks.append(chunk({"tool_calls": [{"index": index, **call}]}))
+    last = chunk({}, choice["finish_reason"])
+    last["gyre"] = completion["gyre"]
+    chunks.append(last)
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": completion["usage"]})
+    return chunks
+
+
+def completion_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    choice = completion["choices"][0]
+    head = {k: completion[k] for k in ("id", "created", "model")}
+    head["object"] = "text_completion"
+    body = {"index": 0, "text": choice["text"], "logprobs": choice["logprobs"], "finish_reason": None}
+    chunks = [{**head, "choices": [body]}]
+    chunks.append(
+        {
+            **head,
+            "choices": [{**body, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}],
+        }
+    )
+    chunks[-1]["gyre"] = completion["gyre"]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": completion["usage"]})
+    return chunks
+
+
+def sse(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
