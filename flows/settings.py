@@ -30,3 +30,6 @@ def configure_prefect(data_root: str) -> None:
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # its SQLite database lives here
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    # a fresh database runs its migrations on the first start: on a busy 2-core machine that takes
+    # longer than Prefect's default 20 s, and the flow would fail before it began
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
