@@ -16,36 +16,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from tests.records import SAMPLE, assert_same_records, read_jsonl
 from trajectory_store.interchange import import_jsonl, rebuild_prompt
 from trajectory_store.recorder import Recorder
 from trajectory_store.schema import RecordError, context_hash
 from trajectory_store.storage import Store, StoreConfig
 
-SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
 VOCAB_SIZE = 1000  # the sample preset draws token ids from [0, 1000)
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def record_key(record: dict) -> tuple:
-    return record["type"], record["execution_id"], record.get("call_id", -1)
-
-
-def assert_same_records(original: list[dict], exported: list[dict]) -> None:
-    """Every field of every original record comes back: ints exactly, logprobs as float32."""
-    assert sorted(map(record_key, exported)) == sorted(map(record_key, original))
-    by_key = {record_key(r): r for r in exported}
-    for want in original:
-        got = by_key[record_key(want)]
-        for name, value in want.items():
-            if name == "output_logprobs":
-                np.testing.assert_array_equal(
-                    np.asarray(got[name], dtype=np.float32), np.asarray(value, dtype=np.float32), err_msg=name
-                )
-            else:
-                assert got[name] == value, (record_key(want), name)
 
 
 @pytest.fixture
