@@ -25,7 +25,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def one_thread():
+    """The core computes on this process's threads, satellites on one each: the same thread count
+    everywhere makes every micro-batch's gradient bitwise the same wherever it is computed."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("elastic")
     model_dir = str(root / "policy")
     tiny_model(5).save_pretrained(model_dir, safe_serialization=True)
@@ -134,7 +144,9 @@ def test_satellites_joining_give_the_same_update(setup, satellites):
     assert sorted(i for ids in report.by_participant.values() for i in ids) == list(range(n))
     assert len(report.members) == 1 + len(specs), report
     assert all(report.by_participant[sid] for sid in report.members[1:]), report.by_participant
-    assert _update_diff(core.weights(), setup) <= 1e-5
+    diff = _update_diff(core.weights(), setup)
+    print(f"update rel diff {diff:.3e}")
+    assert diff <= 1e-5
     assert report.metrics()["tokens_trained"] == setup["batch"].n_target_tokens
 
 
@@ -145,4 +157,6 @@ def test_a_satellite_killed_mid_step_loses_nothing(setup):
     assert sorted(i for ids in report.by_participant.values() for i in ids) == list(
         range(report.micro_batches)
     )
-    assert _update_diff(core.weights(), setup) <= 1e-5
+    diff = _update_diff(core.weights(), setup)
+    print(f"update rel diff {diff:.3e}")
+    assert diff <= 1e-5

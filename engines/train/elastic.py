@@ -104,7 +104,7 @@ def _reduce(
     group = dist.ProcessGroupGloo(
         dist.PrefixStore(f"reduce{attempt}/", store), rank, size, timedelta(seconds=timeout_s)
     )
-    flat = torch.cat([grad, torch.tensor(stats.as_vector(), dtype=torch.float32)])
+    flat = torch.cat([grad, torch.tensor(stats.as_vector(), dtype=grad.dtype)])
     group.allreduce([flat]).wait()
     maxima = torch.tensor([stats.ratio_max, float(stats.lag_max)], dtype=torch.float32)
     options = dist.AllreduceOptions()

@@ -2,7 +2,9 @@
 
 Satellites are GradWorkers in their own processes; the core cell computes its share of a step
 with one too, so every micro-batch's gradient is computed the same way wherever it runs. Gradient
-SUMS accumulate in a flat fp32 buffer, one per parameter in a fixed order, ready for one reduction.
+SUMS accumulate in a flat fp64 buffer (one slice per parameter, in a fixed order) ready for one
+reduction: in fp64 the sum does not depend on which participant added which micro-batch or in what
+order, so an elastic step gives the single-process update to the last fp32 bit in practice.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class GradWorker:
         self.model = model
         self.loss_config = loss
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.grad = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
+        self.grad = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float64)
         self.version = -1
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -108,7 +110,7 @@ class GradWorker:
         for param in self.params:
             n = param.numel()
             if param.grad is not None:
-                self.grad[offset : offset + n] += param.grad.detach().reshape(-1).float().cpu()
+                self.grad[offset : offset + n] += param.grad.detach().reshape(-1).double().cpu()
             offset += n
         lags = version - sequence.policy_versions[targets]
         return StepStats(
