@@ -34,23 +34,21 @@ and far noisier); the figures compare systems on the same model, not the model. 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pyarrow.compute as pc
 import torch
+
+from tasks.stack import free_port, serving_process
 
 DEFAULT_OUT = "bench/results/engine.json"
 PRESETS: dict[str, dict[str, Any]] = {
@@ -152,7 +150,7 @@ def gateway_overhead(folder: str, tmp: str, executions: int, turns: int) -> dict
     from trajectory_store.storage import Store, StoreConfig
 
     store_config = StoreConfig(data_root=os.path.join(tmp, "store"), campaign="bench")
-    engine_port, gateway_port = _free_port(), _free_port()
+    engine_port, gateway_port = free_port(), free_port()
     engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
     engine_cmd = [
         sys.executable,
@@ -257,37 +255,9 @@ def gateway_overhead(folder: str, tmp: str, executions: int, turns: int) -> dict
     }
 
 
-@contextlib.contextmanager
-def _process(command: list[str], url: str) -> Iterator[subprocess.Popen]:
+def _process(command: list[str], url: str):
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
-    with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 180
-            while True:
-                if process.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().decode()[-2000:]
-                    raise RuntimeError(f"{command[2]} exited with {process.returncode}: {tail}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{command[2]} did not start within 180 s")
-                time.sleep(0.2)
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return serving_process(command, url, env)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

@@ -24,7 +24,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from flows import settings
+from flows import agents_cli, settings
 
 VIEWS_HELP = (
     "views: executions, calls, call_prompts, tree_nodes, trajectories, selected_trajectories, training_nodes, "
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
     init.add_argument("--force", action="store_true", help="replace the model files already at --out")
     init.add_argument("--s3-endpoint-url", default=None, help="S3 API endpoint (default: AWS variables)")
+    agents_cli.add_sft_parser(model_commands)
+    agents_cli.add_rollout_parser(commands)
+    agents_cli.add_bench_parser(bench_commands)
     return parser
 
 
@@ -170,6 +173,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.engine import main as bench_engine
 
         return bench_engine(quick=args.quick, out=args.out)
+    if args.command == "bench" and args.bench_command == "rollout":
+        from bench.rollout import main as bench_rollout
+
+        return bench_rollout(quick=args.quick, out=args.out, model=args.model)
+    if args.command == "rollout":
+        return agents_cli.run_rollout_command(args)
+    if args.command == "model" and args.model_command == "sft":
+        return agents_cli.run_sft_command(args)
     if args.command == "gateway":
         from tasks.serve import gateway_options, serve_gateway
 

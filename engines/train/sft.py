@@ -1,0 +1,202 @@
+"""Supervised warm start: next-token training on the assistant turns of demonstration conversations.
+
+A demonstration is an OpenAI-style message list (system, user, assistant turns with tool calls, tool
+results) plus the tool list the harness declares. Each one is rendered with the policy's own chat
+template, exactly as the gateway renders a live request, and only the assistant turns' tokens are
+targets: the model learns to emit the template's ``<tool_call>`` blocks the gateway parses.
+
+Every demonstration starts with the same system prompt and tool list (most of its tokens), so a batch
+is trained as ONE prefix tree (engines.train.tree): shared tokens are computed once, and each target
+token is weighted by how many demonstrations of the batch have it, which gives exactly the loss of
+training the demonstrations one by one.
+
+Assistant spans are found by rendering the conversation up to each assistant turn with the
+generation prompt and again with the turn: the tokens in between are that turn's (the template ends
+every turn with <|im_end|>, so rendering a longer prefix never changes the tokens before it; this is
+checked, not assumed).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engines.model.loading import load_model, load_tokenizer
+from engines.train.tree import target_logprobs
+from trajectory_store.processor import PackedSequence
+
+
+@dataclass
+class SFTConfig:
+    """One warm-start run."""
+
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 8
+    """Conversations per step (padded to the longest)."""
+    lr: float = 2e-3
+    """Peak learning rate (linear warm-up over warmup_steps, then cosine to 10%)."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_len: int = 1536
+    """Conversations longer than this many tokens are cut (their tail turns are lost)."""
+    seed: int = 0
+    log_every: int = 25
+
+
+@dataclass
+class Demonstration:
+    token_ids: list[int]
+    targets: list[bool]  # True on assistant-turn tokens
+
+
+def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Demonstration:
+    """Token ids of a whole conversation and which of them the assistant produced."""
+
+    def ids(prefix: list[dict[str, Any]], generation: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            prefix, tools=tools, tokenize=False, add_generation_prompt=generation
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    full = ids(messages, False)
+    targets = [False] * len(full)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = ids(messages[:index], True)
+        end = ids(messages[: index + 1], False)
+        if full[: len(end)] != end or end[: len(start)] != start:
+            raise ValueError(f"the chat template does not render turn {index} as a stable prefix")
+        for position in range(len(start), len(end)):
+            targets[position] = True
+    return Demonstration(full, targets)
+
+
+def pack_prefix_tree(demos: list[Demonstration], max_len: int) -> tuple[PackedSequence, np.ndarray]:
+    """The demonstrations merged into one prefix tree (a trie over their tokens); returns it and, per
+    token, how many demonstrations have that token as a target."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    counts: list[int] = []
+    child: dict[tuple[int, int], int] = {}
+    for demo in demos:
+        parent = -1
+        for depth, (token, is_target) in enumerate(zip(demo.token_ids[:max_len], demo.targets, strict=False)):
+            index = child.get((parent, token))
+            if index is None:
+                index = child[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(depth)
+                counts.append(0)
+            counts[index] += bool(is_target) and parent >= 0
+            parent = index
+    n = len(tokens)
+    # relabel in depth-first preorder: every subtree contiguous, as the tree kernel expects
+    kids: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for index, parent in enumerate(parents):
+        (kids[parent] if parent >= 0 else roots).append(index)
+    order: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        index = stack.pop()
+        order.append(index)
+        stack.extend(kids[index][::-1])
+    new_index = np.empty(n, dtype=np.int64)
+    new_index[order] = np.arange(n)
+    tokens = [tokens[i] for i in order]
+    depths = [depths[i] for i in order]
+    counts = [counts[i] for i in order]
+    parents = [int(new_index[parents[i]]) if parents[i] >= 0 else -1 for i in order]
+    weights = np.asarray(counts, dtype=np.float32)
+    zeros = np.zeros(n, dtype=np.float32)
+    tree = PackedSequence(
+        token_ids=np.asarray(tokens, dtype=np.int32),
+        position_ids=np.asarray(depths, dtype=np.int32),
+        parent_index=np.asarray(parents, dtype=np.int32),
+        loss_mask=weights > 0,
+        weights=weights,
+        behaviour_logprobs=zeros,
+        advantages=zeros,
+        policy_versions=np.full(n, -1, dtype=np.int32),
+        execution_index=np.zeros(n, dtype=np.int32),
+        executions=["sft"],
+        leaves=[],
+    )
+    return tree, weights
+
+
+def train_sft(
+    model_dir: str,
+    conversations: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]],
+    out_dir: str,
+    config: SFTConfig | None = None,
+    log=print,
+) -> dict[str, Any]:
+    """Fine-tunes the HF model at ``model_dir`` on ``conversations`` ((messages, tools) pairs) and saves
+    the result (weights + tokenizer) to ``out_dir``. Returns loss figures."""
+    config = config or SFTConfig()
+    torch.manual_seed(config.seed)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, dtype=torch.float32)
+    if model.config._attn_implementation not in ("sdpa", "eager"):
+        model.set_attn_implementation("sdpa")
+    model.train()
+    demos = [render(tokenizer, messages, tools) for messages, tools in conversations]
+    if not demos:
+        raise ValueError("no demonstrations to train on")
+    truncated = sum(len(d.token_ids) > config.max_len for d in demos)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def lr_at(step: int) -> float:
+        if step < config.warmup_steps:
+            return config.lr * (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    rng = random.Random(config.seed)
+    order: list[int] = []
+    losses: list[float] = []
+    started = time.perf_counter()
+    for step in range(config.steps):
+        if len(order) < config.batch_size:
+            order += rng.sample(range(len(demos)), len(demos))
+        batch = [demos[order.pop()] for _ in range(config.batch_size)]
+        tree, weights = pack_prefix_tree(batch, config.max_len)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        out = target_logprobs(model, tree)
+        picked = torch.as_tensor(weights[out.targets.numpy()])
+        loss = -(picked * out.logprobs).sum() / picked.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if log and (step % config.log_every == 0 or step == config.steps - 1):
+            log(f"sft step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step):.2e}")
+    model.eval()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {
+        "demonstrations": len(demos),
+        "truncated": truncated,
+        "target_tokens": sum(sum(d.targets) for d in demos),
+        "steps": config.steps,
+        "first_loss": losses[0],
+        "final_loss": sum(tail) / len(tail),
+        "train_s": time.perf_counter() - started,
+        "out": out_dir,
+    }

@@ -1,0 +1,1 @@
+"""Environments: the built-in agent harness, problem suites + graders, sandbox, workspace snapshots."""

@@ -1,0 +1,356 @@
+"""Dispatch: many executions at once (asyncio + one harness subprocess each), each with a deadline,
+graded with partial credit even when it runs out of time.
+
+For every (problem, group member) the dispatcher
+
+1. registers the execution with the gateway (admin API) and gets its base_url and api_key;
+2. creates its workspace from the problem's template under the workspace root;
+3. starts the harness as a subprocess in its own process group: the built-in one
+   (``python -m environments.harness``) or any external command given as a template (``{base_url}``,
+   ``{api_key}``, ``{workspace}``, ``{instruction_file}``; OPENAI_BASE_URL / OPENAI_API_KEY are set too);
+4. at the deadline kills the whole group; the execution is ``timeout``, its workspace is snapshotted
+   (deterministic tar.gz) to ``snapshots/<execution_id>.tar.gz`` in the store and graded from the
+   snapshot, extracted into a fresh folder (``reward_source = workspace_snapshot``); an execution
+   that ended on its own is graded from its final workspace (``final``); a harness that exits non-zero
+   is ``error`` (its log is kept under ``logs/``, reward 0 as a placeholder);
+5. retries a failing grader up to ``grader_retries`` times, then marks the execution ``eval_failed``
+   (no reward, never trained on); no artifact at all (no workspace to snapshot) gives a reward-0
+   ``placeholder``;
+6. finishes the execution through the gateway, which records it next to its calls.
+
+Nothing is dropped silently: every execution ends with exactly one finish, whatever happened.
+Durations are heavy-tailed like real xLong work: most executions get a short turn budget, a
+configurable fraction gets ``long_factor`` times more (see DurationProfile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from environments.harness import HarnessConfig
+from environments.problems import GraderError, GradeResult, Problem, grade_workspace
+from environments.sandbox import Sandbox
+from environments.snapshot import UnsafeArchive, extract_snapshot, snapshot_bytes
+from trajectory_store.storage import Store, StoreConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DurationProfile:
+    """Heavy-tailed execution lengths: most short, ``long_fraction`` of them 10-50x longer."""
+
+    short_turns: int = 3
+    """Turn budget of a short execution."""
+    long_fraction: float = 0.2
+    """Fraction of executions that are long."""
+    long_factor: tuple[float, float] = (10.0, 50.0)
+    """A long execution gets short_turns times a factor drawn uniformly from this range."""
+
+    def turns(self, execution_id: str) -> int:
+        rng = random.Random(hashlib.md5(execution_id.encode()).hexdigest())
+        if rng.random() < self.long_fraction:
+            return max(1, round(self.short_turns * rng.uniform(*self.long_factor)))
+        return self.short_turns
+
+
+@dataclass
+class DispatchConfig:
+    """How a batch of executions runs."""
+
+    step: int = 0
+    group_size: int = 1
+    """Executions per problem (one GRPO group)."""
+    concurrency: int = 4
+    """Executions running at once."""
+    timeout_s: float = 120.0
+    """Deadline of one execution (harness wall clock); then snapshot + grade."""
+    grader_retries: int = 2
+    """Extra attempts of a failing grader before the execution is eval_failed."""
+    grade_timeout_s: float = 60.0
+    durations: DurationProfile = field(default_factory=DurationProfile)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    harness_command: list[str] | None = None
+    """An external harness: argv template with {base_url} {api_key} {workspace} {instruction_file};
+    None runs the built-in harness."""
+    harness_name: str | None = None
+    """Recorded in executions.harness (default: 'builtin' or the command's program name)."""
+    workspace_root: str | None = None
+    """Where workspaces go (default: a fresh temporary folder, removed at the end)."""
+    keep_workspaces: bool = False
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DispatchConfig:
+        data = dict(data)
+        durations = data.pop("durations", None)
+        harness = data.pop("harness", None)
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown dispatch config fields {sorted(unknown)}")
+        return cls(
+            **data,
+            durations=DurationProfile(**durations) if isinstance(durations, dict) else DurationProfile(),
+            harness=HarnessConfig.from_dict(harness) if isinstance(harness, dict) else HarnessConfig(),
+        )
+
+
+@dataclass
+class ExecutionOutcome:
+    execution_id: str
+    problem_id: str
+    group_id: str
+    status: str  # completed | timeout | error | eval_failed
+    reward: float | None
+    reward_source: str | None
+    calls: int = 0
+    branches: int = 0
+    summaries: int = 0
+    subagents: int = 0
+    violations: int = 0
+    duration_s: float = 0.0
+    turn_budget: int | None = None
+    snapshot_uri: str | None = None
+    log_uri: str | None = None
+    grade: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class GatewayAdmin:
+    """The gateway's admin API (register / finish executions)."""
+
+    def __init__(self, url: str, token: str, client: httpx.AsyncClient):
+        self.url, self.client = url.rstrip("/"), client
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self.client.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=120)
+        if response.status_code != 200:
+            raise RuntimeError(f"gateway {path} answered {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+    async def register(self, execution_id: str, problem: Problem, group_id: str, step: int, harness: str):
+        body = {
+            "execution_id": execution_id,
+            "problem_id": problem.problem_id,
+            "group_id": group_id,
+            "step": step,
+            "harness": harness,
+        }
+        return await self._post("/admin/executions", body)
+
+    async def finish(self, outcome: ExecutionOutcome) -> dict[str, Any]:
+        body = {
+            "status": outcome.status,
+            "reward": outcome.reward,
+            "reward_source": outcome.reward_source,
+            "snapshot_uri": outcome.snapshot_uri,
+        }
+        result = await self._post(f"/admin/executions/{outcome.execution_id}/finish", body)
+        outcome.calls = max(outcome.calls, int(result.get("calls") or 0))
+        return result
+
+
+def execution_id_for(step: int, problem: Problem, member: int) -> str:
+    return f"s{step}-{problem.problem_id}-g{member}"
+
+
+async def dispatch(
+    problems: list[Problem],
+    gateway_url: str,
+    admin_token: str,
+    store: StoreConfig,
+    config: DispatchConfig | None = None,
+) -> list[ExecutionOutcome]:
+    """Runs group_size executions of every problem; returns one outcome each (in problem order)."""
+    config = config or DispatchConfig()
+    root = config.workspace_root or tempfile.mkdtemp(prefix="gyre-workspaces-")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    semaphore = asyncio.Semaphore(config.concurrency)
+    runner = _Runner(Store(store), config, root)
+    try:
+        async with httpx.AsyncClient() as client:
+            admin = GatewayAdmin(gateway_url, admin_token, client)
+
+            async def one(problem: Problem, member: int) -> ExecutionOutcome:
+                async with semaphore:
+                    return await runner.run(admin, problem, member)
+
+            jobs = [one(p, m) for p in problems for m in range(config.group_size)]
+            return list(await asyncio.gather(*jobs))
+    finally:
+        if not config.workspace_root and not config.keep_workspaces:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+class _Runner:
+    def __init__(self, store: Store, config: DispatchConfig, root: str):
+        self.store, self.config, self.root = store, config, Path(root)
+        command = config.harness_command
+        self.harness_name = config.harness_name or ("builtin" if command is None else Path(command[0]).name)
+
+    async def run(self, admin: GatewayAdmin, problem: Problem, member: int) -> ExecutionOutcome:
+        config = self.config
+        execution_id = execution_id_for(config.step, problem, member)
+        group_id = f"s{config.step}-{problem.problem_id}"
+        outcome = ExecutionOutcome(execution_id, problem.problem_id, group_id, "error", 0.0, "placeholder")
+        started = time.monotonic()
+        registration = await admin.register(execution_id, problem, group_id, config.step, self.harness_name)
+        try:
+            await self._execute(problem, execution_id, registration, outcome)
+        except Exception as exc:  # one execution's failure never stops the batch: it is recorded
+            log.exception("execution %s failed in the dispatcher", execution_id)
+            outcome.status, outcome.reward, outcome.reward_source = "error", 0.0, "placeholder"
+            outcome.error = f"{type(exc).__name__}: {exc}"
+        outcome.duration_s = time.monotonic() - started
+        await admin.finish(outcome)
+        return outcome
+
+    async def _execute(self, problem, execution_id, registration, outcome: ExecutionOutcome) -> None:
+        config = self.config
+        side = self.root / f"{execution_id}.run"  # harness inputs and outputs, outside the workspace
+        side.mkdir(parents=True, exist_ok=True)
+        sandbox = Sandbox.create(self.root, execution_id, problem.files, config.harness.limits)
+        (side / "problem.json").write_text(json.dumps(problem.to_json()))
+        (side / "instruction.md").write_text(problem.instruction)
+        result_path = side / "result.json"
+        argv, env = self._command(problem, execution_id, registration, sandbox.workspace, side, outcome)
+        log_path = side / "harness.log"
+        with open(log_path, "wb") as log_file:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
+            )
+            try:
+                returncode = await asyncio.wait_for(process.wait(), config.timeout_s)
+                timed_out = False
+            except TimeoutError:
+                _kill_group(process.pid)
+                await process.wait()
+                returncode, timed_out = None, True
+        _read_progress(result_path, outcome)
+        if timed_out:
+            outcome.status = "timeout"
+            await self._grade_snapshot(problem, execution_id, sandbox.workspace, outcome)
+        elif returncode != 0:
+            outcome.status, outcome.reward, outcome.reward_source = "error", 0.0, "placeholder"
+            outcome.error = f"the harness exited with code {returncode}"
+            outcome.log_uri = self._keep_log(execution_id, log_path)
+        else:
+            outcome.status = "completed"
+            await self._grade(problem, sandbox.workspace, outcome, "final")
+        if outcome.status == "eval_failed":
+            outcome.log_uri = self._keep_log(execution_id, log_path)
+        if not config.keep_workspaces:
+            shutil.rmtree(sandbox.workspace, ignore_errors=True)
+            shutil.rmtree(side, ignore_errors=True)
+
+    def _command(self, problem, execution_id, registration, workspace: Path, side: Path, outcome):
+        config = self.config
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(side),
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+            "OPENAI_BASE_URL": registration["base_url"],
+            "OPENAI_API_KEY": registration["api_key"],
+        }
+        if config.harness_command is None:
+            harness = config.harness
+            turns = config.durations.turns(execution_id)
+            outcome.turn_budget = turns
+            seed = int(hashlib.md5(execution_id.encode()).hexdigest()[:8], 16)
+            fields = {**asdict(harness), "max_turns": turns, "seed": seed}
+            argv = [
+                sys.executable, "-m", "environments.harness",
+                "--problem", str(side / "problem.json"),
+                "--workspace", str(workspace),
+                "--base-url", registration["base_url"],
+                "--api-key", registration["api_key"],
+                "--result", str(side / "result.json"),
+                "--config", json.dumps(fields),
+            ]  # fmt: skip
+            return argv, env
+        values = {
+            "base_url": registration["base_url"],
+            "api_key": registration["api_key"],
+            "workspace": str(workspace),
+            "instruction_file": str(side / "instruction.md"),
+        }
+        return [part.format(**values) for part in config.harness_command], env
+
+    async def _grade_snapshot(self, problem, execution_id, workspace: Path, outcome) -> None:
+        if not workspace.is_dir():  # nothing to grade at all
+            outcome.reward, outcome.reward_source = 0.0, "placeholder"
+            return
+        data = await asyncio.to_thread(snapshot_bytes, workspace)
+        key = self.store.path("snapshots", f"{execution_id}.tar.gz")
+        await asyncio.to_thread(self.store.write_bytes, key, data)
+        outcome.snapshot_uri = self.store.url(key)
+        fresh = Path(tempfile.mkdtemp(prefix=f"gyre-grade-{execution_id}-"))
+        try:
+            stored = await asyncio.to_thread(self.store.read_bytes, key)  # graded from what was stored
+            extract_snapshot(stored, fresh)
+        except (UnsafeArchive, OSError) as exc:
+            shutil.rmtree(fresh, ignore_errors=True)
+            outcome.status, outcome.reward, outcome.reward_source = "eval_failed", None, None
+            outcome.error = f"snapshot unusable: {exc}"
+            return
+        try:
+            await self._grade(problem, fresh, outcome, "workspace_snapshot")
+        finally:
+            shutil.rmtree(fresh, ignore_errors=True)
+
+    async def _grade(self, problem: Problem, workspace: Path, outcome, source: str) -> None:
+        errors = []
+        for _ in range(self.config.grader_retries + 1):
+            try:
+                result: GradeResult = await asyncio.to_thread(
+                    grade_workspace, problem, workspace, timeout_s=self.config.grade_timeout_s
+                )
+            except GraderError as exc:
+                errors.append(str(exc))
+                continue
+            outcome.reward, outcome.reward_source = result.reward, source
+            outcome.grade = {"passed": result.passed, "total": result.total}
+            return
+        outcome.status, outcome.reward, outcome.reward_source = "eval_failed", None, None
+        outcome.error = f"the grader failed {len(errors)} times; last: {errors[-1]}"
+
+    def _keep_log(self, execution_id: str, log_path: Path) -> str | None:
+        if not log_path.exists():
+            return None
+        key = self.store.path("logs", f"{execution_id}.log")
+        self.store.write_bytes(key, log_path.read_bytes())
+        return self.store.url(key)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _read_progress(path: Path, outcome: ExecutionOutcome) -> None:
+    try:
+        stats = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # an external harness, or one killed before its first call
+    outcome.calls = int(stats.get("calls", 0))
+    outcome.branches = int(stats.get("branches", 0))
+    outcome.summaries = int(stats.get("summaries", 0))
+    outcome.subagents = int(stats.get("subagents", 0))
+    outcome.violations = len(stats.get("violations", []))

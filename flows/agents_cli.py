@@ -1,0 +1,180 @@
+"""The agent commands of `gyre`: rollout, model sft and bench rollout (parsers and handlers).
+
+gyre rollout --suite swe --n 4 --timeout 60 --gateway http://127.0.0.1:8200 --admin-token T
+gyre rollout --suite terminal --n 4 --model ./models/tiny        # starts engine + gateway itself
+gyre model sft --model ./models/tiny --out ./models/tiny-sft
+gyre bench rollout --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+from dataclasses import asdict
+
+from flows import settings
+
+SUITES = ["repo", "swe", "terminal", "mixed", "folder"]
+
+
+def add_rollout_parser(commands) -> None:
+    rollout = commands.add_parser(
+        "rollout", help="run agent executions against a gateway and print status and reward of each"
+    )
+    rollout.add_argument("--suite", choices=SUITES, required=True)
+    rollout.add_argument("--n", type=int, default=4, help="problems (each runs --group-size times)")
+    rollout.add_argument("--timeout", type=float, default=120.0, help="deadline of one execution, seconds")
+    rollout.add_argument("--problems", default=None, help="folder of problem folders (--suite folder)")
+    rollout.add_argument("--seed", type=int, default=0)
+    rollout.add_argument("--difficulty", type=int, default=1)
+    rollout.add_argument("--length", type=int, default=1)
+    rollout.add_argument("--group-size", type=int, default=1)
+    rollout.add_argument("--concurrency", type=int, default=4)
+    rollout.add_argument("--turns", type=int, default=4, help="turn budget of a short execution")
+    rollout.add_argument("--long-fraction", type=float, default=0.2, help="executions with 10-50x the turns")
+    rollout.add_argument("--step", type=int, default=0)
+    rollout.add_argument("--gateway", default=None, help="gateway URL (default $GYRE_GATEWAY_URL)")
+    rollout.add_argument("--admin-token", default=None, help="default: $GYRE_GATEWAY_ADMIN_TOKEN")
+    rollout.add_argument("--model", default=None, help="no gateway: start an engine + gateway on this model")
+    rollout.add_argument(
+        "--harness-command",
+        default=None,
+        help="an external harness, e.g. 'python my_agent.py --base-url {base_url} --api-key {api_key} "
+        "--workspace {workspace}' ({instruction_file} is the instruction's path)",
+    )
+    rollout.add_argument("--data-root", default=None, help="store for snapshots and logs ($GYRE_DATA_ROOT)")
+    rollout.add_argument("--campaign", default=None)
+    rollout.add_argument("--s3-endpoint-url", default=None)
+    rollout.add_argument("--format", choices=["table", "json"], default="table")
+
+
+def add_sft_parser(model_commands) -> None:
+    sft = model_commands.add_parser(
+        "sft", help="supervised warm start on generated demonstrations, with held-out pass rate before/after"
+    )
+    sft.add_argument("--model", required=True, help="HF folder of the policy to start from")
+    sft.add_argument("--out", required=True, help="folder for the fine-tuned policy")
+    sft.add_argument("--suites", default="terminal,repo,swe", help="comma-separated suites")
+    sft.add_argument("--train-problems", type=int, default=240)
+    sft.add_argument("--eval-problems", type=int, default=8, help="held-out problems per suite")
+    sft.add_argument("--steps", type=int, default=400)
+    sft.add_argument("--batch-size", type=int, default=8)
+    sft.add_argument("--lr", type=float, default=2e-3)
+    sft.add_argument("--difficulty", type=int, default=1)
+    sft.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
+    sft.add_argument("--report", default=None, help="also write the report as JSON here")
+
+
+def add_bench_parser(bench_commands) -> None:
+    bench = bench_commands.add_parser(
+        "rollout", help="agent executions: throughput, trees, timeouts graded, sandbox refusals"
+    )
+    bench.add_argument("--quick", action="store_true", help="a small run (a few minutes)")
+    bench.add_argument("--model", default=None, help="policy folder (default: a fresh tiny model)")
+    bench.add_argument("--out", default="bench/results/rollout.json")
+
+
+def run_rollout_command(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from tasks.rollout import (
+        DispatchConfig,
+        DurationProfile,
+        choose_problems,
+        run_rollout,
+        summarize_outcomes,
+    )
+    from tasks.trajectory import StoreConfig
+
+    store = StoreConfig(
+        data_root=args.data_root or settings.default_data_root(),
+        campaign=args.campaign or settings.default_campaign(),
+        s3_endpoint_url=args.s3_endpoint_url,
+    )
+    problems = choose_problems(
+        args.suite,
+        args.n,
+        seed=args.seed,
+        difficulty=args.difficulty,
+        length=args.length,
+        folder=args.problems,
+    )
+    config = DispatchConfig(
+        step=args.step,
+        group_size=args.group_size,
+        concurrency=args.concurrency,
+        timeout_s=args.timeout,
+        durations=DurationProfile(short_turns=args.turns, long_fraction=args.long_fraction),
+        harness_command=shlex.split(args.harness_command) if args.harness_command else None,
+    )
+    gateway = args.gateway or os.environ.get("GYRE_GATEWAY_URL")
+    with contextlib.ExitStack() as stack:
+        if gateway:
+            token = args.admin_token or os.environ.get("GYRE_GATEWAY_ADMIN_TOKEN")
+            if not token:
+                raise ValueError(
+                    "--gateway needs the gateway's admin token (--admin-token or $GYRE_GATEWAY_ADMIN_TOKEN)"
+                )
+        elif args.model:
+            from tasks.stack import local_stack
+
+            local = stack.enter_context(local_stack(args.model, store, step=args.step))
+            gateway, token = local.gateway_url, local.admin_token
+        else:
+            raise ValueError("give --gateway URL (a running gateway) or --model DIR (start one here)")
+        outcomes = run_rollout(problems, gateway, token, store, config)
+    if args.format == "json":
+        print(json.dumps([asdict(o) for o in outcomes], indent=1))
+        return 0
+    print(
+        f"{'execution':<36} {'status':<11} {'reward':>6} {'reward_source':<18} {'calls':>5} {'branches':>8}"
+    )
+    for o in outcomes:
+        reward = "-" if o.reward is None else f"{o.reward:.2f}"
+        print(
+            f"{o.execution_id:<36} {o.status:<11} {reward:>6} {o.reward_source or '-':<18} "
+            f"{o.calls:>5} {o.branches:>8}" + (f"  ({o.error})" if o.error else "")
+        )
+    summary = summarize_outcomes(outcomes)
+    print(
+        f"{summary['executions']} executions: {summary['by_status']}, mean reward {summary['mean_reward']:.3f}, "
+        f"pass rate {summary['pass_rate']:.2f}, {summary['timeouts_graded']} timeouts graded from snapshots"
+    )
+    return 0
+
+
+def run_sft_command(args: argparse.Namespace) -> int:
+    from tasks.sft import sft_model
+
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    report = sft_model.fn(
+        args.model,
+        args.out,
+        suites=suites,
+        train_problems=args.train_problems,
+        eval_problems=args.eval_problems,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        difficulty=args.difficulty,
+        evaluate=not args.no_eval,
+    )
+    training = report["training"]
+    print(
+        f"trained {training['steps']} steps on {training['demonstrations']} demonstrations "
+        f"({training['target_tokens']} target tokens) in {training['train_s']:.0f} s: loss "
+        f"{training['first_loss']:.3f} -> {training['final_loss']:.3f}; saved to {args.out}"
+    )
+    if "after" in report:
+        for suite in [*suites, "overall"]:
+            before, after = report["before"][suite], report["after"][suite]
+            print(
+                f"{suite:<9} pass rate {before['pass_rate']:.2f} -> {after['pass_rate']:.2f}   "
+                f"mean reward {before['mean_reward']:.3f} -> {after['mean_reward']:.3f}"
+            )
+    if args.report:
+        with open(args.report, "w") as handle:
+            json.dump(report, handle, indent=1)
+    return 0

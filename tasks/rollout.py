@@ -1,0 +1,96 @@
+"""Prefect tasks over agent executions: choose problems, run them against a gateway, summarize.
+
+``rollout_executions`` is the unit a campaign step calls: it dispatches ``group_size`` executions of
+each problem (environments.dispatch) against a running gateway and returns one outcome per
+execution. It is retry-safe: execution ids derive from (step, problem, member), the gateway refuses
+nothing on a re-registration, and finishing an execution again rewrites the same record key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import Any
+
+from prefect import task
+
+from environments.dispatch import DispatchConfig, DurationProfile, ExecutionOutcome, dispatch
+from environments.harness import HarnessConfig
+from environments.problems import Problem, generate, read_folder
+from trajectory_store.storage import StoreConfig
+
+__all__ = [
+    "DispatchConfig",
+    "DurationProfile",
+    "HarnessConfig",
+    "choose_problems",
+    "rollout_executions",
+    "summarize_outcomes",
+]
+
+SUITE_NAMES = ("repo", "swe", "terminal")
+
+
+def choose_problems(
+    suite: str, n: int, *, seed: int = 0, difficulty: int = 1, length: int = 1, folder: str | None = None
+) -> list[Problem]:
+    """``n`` problems of a generated suite, or the first ``n`` of a folder of problems (suite 'folder');
+    suite 'mixed' takes them round-robin from the three generated suites."""
+    if suite == "folder":
+        if not folder:
+            raise ValueError("suite 'folder' needs --problems DIR (a folder of problem folders)")
+        loaded = read_folder(folder)
+        for error in loaded.errors:
+            print(f"skipped problem: {error}")
+        return loaded.problems[:n]
+    if suite == "mixed":
+        per = [generate(name, n, seed=seed, difficulty=difficulty, length=length) for name in SUITE_NAMES]
+        return [per[i % len(per)][i // len(per)] for i in range(n)]
+    return generate(suite, n, seed=seed, difficulty=difficulty, length=length)
+
+
+def run_rollout(
+    problems: list[Problem],
+    gateway_url: str,
+    admin_token: str,
+    store: StoreConfig,
+    config: DispatchConfig,
+) -> list[ExecutionOutcome]:
+    return asyncio.run(dispatch(problems, gateway_url, admin_token, store, config))
+
+
+@task(name="rollout-executions", task_run_name="roll out {n_problems} problems at step {step}")
+def rollout_executions(
+    problems: list[dict[str, Any]],
+    gateway_url: str,
+    admin_token: str,
+    store: StoreConfig,
+    config: dict[str, Any],
+    step: int,
+    n_problems: int,
+) -> list[dict[str, Any]]:
+    """JSON in, JSON out (Prefect may run it in another process)."""
+    dispatch_config = DispatchConfig.from_dict({**config, "step": step})
+    outcomes = run_rollout(
+        [Problem.from_json(p) for p in problems], gateway_url, admin_token, store, dispatch_config
+    )
+    return [asdict(o) for o in outcomes]
+
+
+def summarize_outcomes(outcomes: list[ExecutionOutcome]) -> dict[str, Any]:
+    graded = [o for o in outcomes if o.reward is not None and o.status != "eval_failed"]
+    by_status: dict[str, int] = {}
+    for outcome in outcomes:
+        by_status[outcome.status] = by_status.get(outcome.status, 0) + 1
+    return {
+        "executions": len(outcomes),
+        "by_status": by_status,
+        "mean_reward": sum(o.reward for o in graded) / len(graded) if graded else 0.0,
+        "pass_rate": sum(o.reward == 1.0 for o in graded) / len(outcomes) if outcomes else 0.0,
+        "calls": sum(o.calls for o in outcomes),
+        "branches": sum(o.branches for o in outcomes),
+        "timeouts_graded": sum(
+            o.status == "timeout" and o.reward_source == "workspace_snapshot" for o in outcomes
+        ),
+        "sandbox_violations_blocked": sum(o.violations for o in outcomes),
+    }

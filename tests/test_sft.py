@@ -1,0 +1,100 @@
+"""The supervised warm start: demonstrations from reference solutions, assistant-only targets, the
+prefix-tree batch equal to one-by-one training, and a short real training run."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from engines.model.tokenizer import save_tokenizer
+from engines.train.sft import Demonstration, SFTConfig, pack_prefix_tree, render, train_sft
+from engines.train.tree import target_logprobs
+from environments.demos import demonstration, demonstrations
+from environments.harness import TOOLS
+from environments.problems import generate
+from tests.test_gateway_fixtures import tokenizer
+
+
+def test_demonstrations_play_the_reference_solution_through_the_harness_tools():
+    for suite in ("repo", "swe", "terminal"):
+        problem = generate(suite, 1, seed=3, difficulty=2)[0]
+        messages = demonstration(problem)
+        assert [m["role"] for m in messages[:2]] == ["system", "user"]
+        assert messages[1]["content"] == problem.instruction
+        calls = [m["tool_calls"][0]["function"]["name"] for m in messages if m["role"] == "assistant"]
+        assert calls == [a["tool"] for a in problem.solution] + ["finish"]
+        results = [m["content"] for m in messages if m["role"] == "tool"]
+        assert not any(r.startswith("error") for r in results), results
+        if problem.visible_test_command:  # the visible tests pass after the reference edits
+            assert "exit code 0" in results[calls.index("run_tests")]
+
+
+def test_only_assistant_turns_are_targets():
+    tok = tokenizer()
+    messages = demonstration(generate("terminal", 1, seed=1)[0])
+    demo = render(tok, messages, TOOLS)
+    text = tok.decode([t for t, target in zip(demo.token_ids, demo.targets, strict=True) if target])
+    assert text.count("<tool_call>") == sum(m["role"] == "assistant" for m in messages)
+    assert '"name": "finish"' in text and "<|im_end|>" in text
+    assert "You are a coding agent" not in text and "<tool_response>" not in text
+    assert messages[1]["content"] not in text
+
+
+def _model(vocab: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+def test_a_prefix_tree_batch_gives_the_loss_of_one_by_one_training():
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 50, 40).tolist()
+    demos = []
+    for k in range(4):
+        tail = rng.integers(0, 50, 10 + k).tolist()
+        if k == 3:
+            tail = demos[0].token_ids[40:45] + tail  # shares a target run with the first demonstration
+        tokens = shared + tail
+        targets = [False] * 40 + [True] * len(tail)
+        demos.append(Demonstration(tokens, targets))
+    model = _model(50)
+    tree, weights = pack_prefix_tree(demos, 4096)
+    assert len(tree) < sum(len(d.token_ids) for d in demos)
+    out = target_logprobs(model, tree)
+    w = torch.as_tensor(weights[out.targets.numpy()])
+    tree_loss = -(w * out.logprobs).sum() / w.sum()
+    total, count = 0.0, 0
+    for demo in demos:
+        ids = torch.tensor([demo.token_ids])
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        picked = logprobs.gather(1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(demo.targets[1:])
+        total += float(-(picked[mask]).sum())
+        count += int(mask.sum())
+    torch.testing.assert_close(float(tree_loss), total / count, rtol=1e-5, atol=1e-6)
+
+
+def test_training_lowers_the_loss_and_saves_a_loadable_policy(tmp_path):
+    tok = tokenizer()
+    folder = tmp_path / "start"
+    _model(len(tok)).save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(tok, folder)
+    demos = demonstrations(generate("terminal", 3, seed=5))
+    report = train_sft(
+        str(folder), demos, str(tmp_path / "out"), SFTConfig(steps=12, batch_size=3, lr=1e-2, warmup_steps=2)
+    )
+    assert report["demonstrations"] == 3 and report["target_tokens"] > 0
+    assert report["final_loss"] < report["first_loss"] - 1.0
+    reloaded = Qwen2ForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.config.vocab_size == len(tok)
