@@ -578,7 +578,9 @@ def section_train(run: Run, figures: dict, deadline: float) -> None:
     plan, device = run.plan, run.device
     batch = run.batch()
     figures["batch"] = run.report["batch"]
-    figures["attention"] = "sdpa with the 4D float ancestor mask (engines/train/tree.py)"
+    figures["attention"] = (
+        "block-sparse tree attention over SDPA (engines/train/tree_attention.py, block 128)"
+    )
     figures["runs"] = []
     perturbed = False
     for preset in plan.train_presets:

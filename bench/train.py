@@ -1,6 +1,6 @@
 """The training benchmark: tree-packed vs per-path training, and elastic satellites.
 
-    gyre bench train --quick    # tiny model (3M), small trees: under two minutes
+    gyre bench train --quick    # tiny model (3M), small trees: about three minutes on 2 cores
     gyre bench train            # small model (40M), longer trees
 
 Measured in ONE run on the same model and the same batch (the machine is shared and noisy: read
@@ -10,11 +10,20 @@ the ratios):
    per-path evaluation (max abs difference), and the parameter gradient of the tree-packed loss
    against per-path training with the same weights (relative difference).
 2. Throughput: the step's gradient computed tree-packed (one forward/backward per packed
-   sequence, unique tokens once) against naive per-path training (one causal forward/backward per
-   selected trajectory on its full path, each target counted once). Both give the same gradient;
-   tokens/s counts the policy tokens trained. The limit of the speedup is the naive/unique token
-   ratio of the batch, reported beside it.
-3. Elastic steps with 0, 1 and 2 satellites (separate processes, one thread each; the core uses one
+   sequence, unique tokens once, block-sparse tree attention) against naive per-path training (one
+   causal forward/backward per selected trajectory on its full path, each target counted once, the
+   logits of every path position computed as an HF forward does). Both give the same gradient;
+   tokens/s counts the policy tokens trained. The naive/unique token ratio of the batch is the
+   limit of the speedup from sharing tokens, reported beside it, with ``tree_efficiency`` =
+   speedup / limit (it can pass 1: attention per path costs the square of its length, and the tree
+   forward computes logits at the targets only). Two more timings separate those effects: per-path
+   training with the logits of the targets only (``tree_over_lean_path_speedup``), and the
+   tree-packed step with the dense [T, T] mask (the previous kernel). The attention pairs each
+   kernel computes are counted.
+3. The same throughput on a more branched workload (``branched``: every call is retried with
+   probability 0.5 instead of 0.15), so the speedup shows where trajectories share more; a
+   separate section, the main figures stay on the paper-shaped workload.
+4. Elastic steps with 0, 1 and 2 satellites (separate processes, one thread each; the core uses one
    thread too): step time, the weight pull time each satellite measured, and the relative
    difference of the reduced gradient to the single-process one.
 
@@ -43,6 +52,7 @@ from engines.train.elastic import ElasticCoordinator
 from engines.train.loss import policy_loss
 from engines.train.satellite import load_policy_model, satellite_main
 from engines.train.tree import path_logprobs, target_logprobs
+from engines.train.tree_attention import build_plan
 from engines.train.worker import GradWorker
 from trajectory_store import synth
 from trajectory_store.config import PackingConfig, SelectionConfig
@@ -66,7 +76,13 @@ def _model_folder(preset: str, folder: str) -> int:
     return vocab
 
 
-def _workload(root: str, vocab: int, size: dict[str, Any]) -> tuple[PackedBatch, float]:
+P_RETRY = 0.15  # the paper-shaped workload
+P_RETRY_BRANCHED = 0.5  # the branched section
+
+
+def _workload(
+    root: str, vocab: int, size: dict[str, Any], p_retry: float = P_RETRY
+) -> tuple[PackedBatch, float]:
     """A branched, paper-shaped batch (compression, sub-agents, retries) recorded, selected, packed."""
     config = synth.SynthConfig(
         n_problems=2,
@@ -80,7 +96,7 @@ def _workload(root: str, vocab: int, size: dict[str, Any]) -> tuple[PackedBatch,
         output_tokens=(10, 120),
         summary_tokens=(60, 300),
         p_subagent=0.15,
-        p_retry=0.15,
+        p_retry=p_retry,
         seed=7,
         force_shapes=True,
     )
@@ -142,14 +158,28 @@ def _per_path_jobs(batch: PackedBatch) -> list[tuple[PackedSequence, np.ndarray,
     return jobs
 
 
-def _per_path_step(model: torch.nn.Module, jobs, n_executions: int, config: LossConfig) -> torch.Tensor:
-    """Naive training: one causal forward/backward per trajectory; returns the flat gradient."""
+def _logprobs_at_targets(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    """log p(tokens[k] | tokens[:k]) for k in positions, the output projection at those k - 1 only."""
+    input_ids = torch.as_tensor(tokens, dtype=torch.long)[None]
+    hidden = model.base_model(input_ids=input_ids).last_hidden_state[0, torch.as_tensor(positions - 1)]
+    log_probs = torch.log_softmax(model.get_output_embeddings()(hidden).float(), -1)
+    return log_probs.gather(1, input_ids[0, torch.as_tensor(positions), None])[:, 0]
+
+
+def _per_path_step(
+    model: torch.nn.Module, jobs, n_executions: int, config: LossConfig, lean: bool = False
+) -> torch.Tensor:
+    """Naive training: one causal forward/backward per trajectory; returns the flat gradient. The
+    logits of every path position, as an HF forward gives them, or (``lean``) of the targets only."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
     for sequence, path, targets in jobs:
         positions = np.searchsorted(path, targets)  # where each target sits on the path (path is sorted)
-        logprobs = path_logprobs(model, sequence.token_ids[path])[positions - 1]
+        if lean:
+            logprobs = _logprobs_at_targets(model, sequence.token_ids[path], positions)
+        else:
+            logprobs = path_logprobs(model, sequence.token_ids[path])[positions - 1]
 
         def at(array: np.ndarray, targets: np.ndarray = targets) -> torch.Tensor:
             return torch.as_tensor(array[targets], dtype=torch.float32)
@@ -164,6 +194,43 @@ def _per_path_step(model: torch.nn.Module, jobs, n_executions: int, config: Loss
         )
         terms.loss.backward()
     return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def _tree_step(model: torch.nn.Module, batch: PackedBatch, config: LossConfig, kernel: str) -> torch.Tensor:
+    """GradWorker.accumulate's loss and backward for every sequence, with the given attention kernel."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    for sequence in batch.sequences:
+        out = target_logprobs(model, sequence, kernel=kernel)
+        targets = out.targets.numpy()
+
+        def at(array: np.ndarray, targets: np.ndarray = targets) -> torch.Tensor:
+            return torch.as_tensor(array[targets], dtype=torch.float32)
+
+        terms = policy_loss(
+            out.logprobs,
+            at(sequence.behaviour_logprobs),
+            at(sequence.advantages),
+            at(sequence.weights),
+            len(batch.advantages),
+            config,
+            entropy=out.entropy,
+        )
+        terms.loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def _attention_pairs(batch: PackedBatch) -> dict[str, int]:
+    """(query, key) pairs per layer and head: allowed by the ancestor mask, computed by the block
+    kernel, computed by the dense mask, and the causal triangles of per-path training."""
+    plans = [build_plan(sequence.parent_index) for sequence in batch.sequences]
+    return {
+        "allowed": sum(plan.allowed_pairs for plan in plans),
+        "blocks": sum(plan.computed_pairs for plan in plans),
+        "dense": sum(len(sequence) ** 2 for sequence in batch.sequences),
+        "per_path": sum(len(path) * (len(path) + 1) // 2 for _, path, _ in _per_path_jobs(batch)),
+    }
 
 
 def _equality(model_dir: str, batch: PackedBatch) -> dict[str, float]:
@@ -190,13 +257,15 @@ def _equality(model_dir: str, batch: PackedBatch) -> dict[str, float]:
     }
 
 
-def _throughput(model_dir: str, batch: PackedBatch, repeats: int = 2) -> dict[str, float]:
+def _throughput(model_dir: str, batch: PackedBatch, repeats: int = 2, extra: bool = True) -> dict[str, Any]:
+    """Tree-packed against per-path training; ``extra`` also times the dense-mask kernel and the lean
+    per-path baseline."""
     config = LossConfig()
     n_executions = len(batch.advantages)
     worker = GradWorker(load_policy_model(model_dir), config)
     naive_model = load_policy_model(model_dir)
     jobs = _per_path_jobs(batch)
-    tree_s, naive_s = [], []
+    tree_s, naive_s, dense_s, lean_s = [], [], [], []
     for _ in range(repeats):  # interleaved, best of each: the machine is shared
         worker.reset()
         started = time.perf_counter()
@@ -206,20 +275,63 @@ def _throughput(model_dir: str, batch: PackedBatch, repeats: int = 2) -> dict[st
         started = time.perf_counter()
         naive_grad = _per_path_step(naive_model, jobs, n_executions, config)
         naive_s.append(time.perf_counter() - started)
+        if extra:
+            started = time.perf_counter()
+            dense_grad = _tree_step(naive_model, batch, config, "dense")
+            dense_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            lean_grad = _per_path_step(naive_model, jobs, n_executions, config, lean=True)
+            lean_s.append(time.perf_counter() - started)
     targets = batch.n_target_tokens
     naive_tokens = sum(len(path) for _, path, _ in jobs)
-    return {
+    speedup = min(naive_s) / min(tree_s)
+    limit = naive_tokens / batch.n_tokens
+    figures: dict[str, Any] = {
         "tree_s": min(tree_s),
         "per_path_s": min(naive_s),
         "tree_tokens_per_s": targets / min(tree_s),
         "per_path_tokens_per_s": targets / min(naive_s),
-        "tree_over_path_speedup": min(naive_s) / min(tree_s),
-        "naive_over_unique_tokens": naive_tokens / batch.n_tokens,
+        "tree_over_path_speedup": speedup,
+        "naive_over_unique_tokens": limit,
+        "tree_efficiency": speedup / limit,
         "tree_tokens": batch.n_tokens,
         "per_path_tokens": naive_tokens,
         "target_tokens": targets,
         "tree_vs_path_grad_rel_diff_at_speed": float((worker.grad - naive_grad).norm() / naive_grad.norm()),
+        "attention_pairs": _attention_pairs(batch),
     }
+    if extra:
+        figures["tree_dense_kernel_s"] = min(dense_s)
+        figures["dense_kernel_over_path_speedup"] = min(naive_s) / min(dense_s)
+        figures["blocks_over_dense_kernel_speedup"] = min(dense_s) / min(tree_s)
+        figures["per_path_lean_s"] = min(lean_s)
+        figures["tree_over_lean_path_speedup"] = min(lean_s) / min(tree_s)
+        figures["tree_efficiency_lean"] = min(lean_s) / min(tree_s) / limit
+        for name, grad in (("dense", dense_grad), ("lean_path", lean_grad)):
+            figures[f"{name}_vs_tree_grad_rel_diff"] = float(
+                (grad.double() - worker.grad).norm() / worker.grad.norm()
+            )
+    return figures
+
+
+def _batch_figures(batch: PackedBatch) -> dict[str, int]:
+    return {
+        "sequences": len(batch.sequences),
+        "executions": len(batch.advantages),
+        "tokens": batch.n_tokens,
+        "targets": batch.n_target_tokens,
+        "repeated_tokens": batch.n_repeated_tokens,
+    }
+
+
+def _branched(model_dir: str, root: str, vocab: int, size: dict[str, Any]) -> dict[str, Any]:
+    """The throughput section on a workload whose calls are retried far more often."""
+    batch, naive_selected = _workload(root, vocab, size, p_retry=P_RETRY_BRANCHED)
+    _perturb(batch, load_policy_model(model_dir).eval())
+    figures: dict[str, Any] = {"p_retry": P_RETRY_BRANCHED, "batch": _batch_figures(batch)}
+    figures.update(_throughput(model_dir, batch, extra=False))
+    figures["selected_trajectory_tokens"] = naive_selected
+    return figures
 
 
 def _satellite_entry(queue, host: str, port: int, step: int, model_dir: str, ready) -> None:
@@ -303,17 +415,13 @@ def run(quick: bool) -> dict[str, Any]:
         figures.update(_equality(tiny_dir, batch))
         figures.update(_throughput(model_dir, batch))
         figures["selected_trajectory_tokens"] = naive_selected
+        figures["p_retry"] = P_RETRY
+        figures["branched"] = _branched(model_dir, os.path.join(workdir, "branched"), min(vocab, 4096), size)
         elastic = _elastic(model_dir, batch, workdir)
         figures["elastic_grad_rel_diff"] = elastic.pop("elastic_grad_rel_diff")
         figures["elastic"] = elastic
         figures["step_s_by_satellites"] = {n: elastic[f"satellites_{n}"]["step_s"] for n in (0, 1, 2)}
-        figures["batch"] = {
-            "sequences": len(batch.sequences),
-            "executions": len(batch.advantages),
-            "tokens": batch.n_tokens,
-            "targets": batch.n_target_tokens,
-            "repeated_tokens": batch.n_repeated_tokens,
-        }
+        figures["batch"] = _batch_figures(batch)
         figures["environment"] = {
             "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
@@ -326,6 +434,8 @@ def run(quick: bool) -> dict[str, Any]:
 
 def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     figures = run(quick)
+    branched = figures["branched"]
+    pairs = figures["attention_pairs"]
     lines = [
         f"model preset                         {figures['preset']}",
         f"batch                                {figures['batch']}",
@@ -335,6 +445,17 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
         f"per-path training                    {figures['per_path_tokens_per_s']:.0f} policy tokens/s",
         f"speedup (goal >= 3x)                 {figures['tree_over_path_speedup']:.2f}x",
         f"naive / unique tokens (the limit)    {figures['naive_over_unique_tokens']:.2f}x",
+        f"tree efficiency (speedup / limit)    {figures['tree_efficiency']:.2f}",
+        f"per-path, logits at targets only     {figures['tree_over_lean_path_speedup']:.2f}x speedup, "
+        f"efficiency {figures['tree_efficiency_lean']:.2f}",
+        f"dense-mask kernel (before)           {figures['dense_kernel_over_path_speedup']:.2f}x per-path speed; "
+        f"blocks are {figures['blocks_over_dense_kernel_speedup']:.2f}x faster",
+        f"attention pairs blocks/dense/path    {pairs['blocks']} / {pairs['dense']} / {pairs['per_path']} "
+        f"(allowed {pairs['allowed']})",
+        f"branched workload (p_retry {branched['p_retry']})     {branched['batch']}",
+        f"  speedup / limit / efficiency       {branched['tree_over_path_speedup']:.2f}x / "
+        f"{branched['naive_over_unique_tokens']:.2f}x / {branched['tree_efficiency']:.2f}",
+        f"  tree vs path gradient rel. diff    {branched['tree_vs_path_grad_rel_diff_at_speed']:.2e}",
         *[
             f"step with {n} satellite(s)              {s:.2f} s"
             for n, s in figures["step_s_by_satellites"].items()

@@ -6,34 +6,47 @@ depths. One forward over the packed tokens gives, for every target token t, the 
 parent's position, hence log p(token_t | its whole path): the same number per-path evaluation
 gives, at the cost of the unique tokens only.
 
-The mask is a 4D float tensor (0 where attention is allowed, the dtype's minimum elsewhere), which
-transformers' SDPA and eager paths both honour. Two setups are silently wrong and refused here: a
-boolean 4D mask under eager attention, and kernels that ignore arbitrary masks (flash-attention).
+Two attention kernels, chosen per call (``kernel=``):
+
+- ``"blocks"`` (the default, engines/train/tree_attention.py): block-sparse attention; each query
+  block reads only the path to its first token and itself, so the work is about the sum of the
+  depths instead of T^2, whatever the model was loaded with.
+- ``"dense"``: a [1, 1, T, T] float mask (0 where attention is allowed, the dtype's minimum
+  elsewhere) through the model's own attention, which transformers' SDPA and eager paths both
+  honour. Two setups are silently wrong and refused here: a boolean 4D mask under eager attention,
+  and kernels that ignore arbitrary masks (flash-attention). It is the reference the block kernel
+  is tested against.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
+from engines.train.tree_attention import DEFAULT_BLOCK_SIZE, build_plan, use_tree_attention
 from trajectory_store.processor import PackedSequence
 
 MASK_HONOURING = ("sdpa", "eager")
+Kernel = Literal["blocks", "dense"]
 
 
 def ancestor_mask(parent_index: np.ndarray) -> torch.Tensor:
     """[T, T] bool: (i, j) is True when j is i or an ancestor of i.
 
-    Parents come before their children, so row i is row parent(i) plus i itself."""
+    Parents come before their children, so row i is row parent(i) plus i itself (any such order,
+    preorder or not: this is the reference the block kernel's interval test is checked against)."""
     n = len(parent_index)
-    mask = torch.zeros((n, n), dtype=torch.bool)
+    mask = np.zeros((n, n), dtype=bool)
     for i, parent in enumerate(parent_index.tolist()):
+        if parent >= i:
+            raise ValueError(f"token {i}'s parent {parent} does not come before it")
         if parent >= 0:
             mask[i, : parent + 1] = mask[parent, : parent + 1]
         mask[i, i] = True
-    return mask
+    return torch.from_numpy(mask)
 
 
 def attention_bias(parent_index: np.ndarray, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
@@ -66,7 +79,12 @@ class TargetLogprobs:
 
 
 def target_logprobs(
-    model: torch.nn.Module, sequence: PackedSequence, *, targets: np.ndarray | None = None
+    model: torch.nn.Module,
+    sequence: PackedSequence,
+    *,
+    targets: np.ndarray | None = None,
+    kernel: Kernel = "blocks",
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> TargetLogprobs:
     """One tree-packed forward; logprobs of the target tokens (default: the loss mask)."""
     device = next(model.parameters()).device
@@ -76,13 +94,24 @@ def target_logprobs(
     parents = sequence.parent_index[targets]
     if np.any(parents < 0):
         raise ValueError("a target token has no parent in its packed sequence (a root cannot be predicted)")
-    mask = attention_bias(sequence.parent_index, dtype=dtype, device=device)
-    check_attention_setup(model, mask)
     input_ids = torch.as_tensor(sequence.token_ids, dtype=torch.long, device=device)[None]
     position_ids = torch.as_tensor(sequence.position_ids, dtype=torch.long, device=device)[None]
-    hidden = model.base_model(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=mask
-    ).last_hidden_state
+    if kernel == "blocks":
+        plan = build_plan(sequence.parent_index, block_size=block_size, dtype=dtype, device=device)
+        with use_tree_attention(model):  # the prepared mask mapping reaches every layer as is
+            hidden = model.base_model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask={"full_attention": plan, "sliding_attention": plan},
+            ).last_hidden_state
+    elif kernel == "dense":
+        mask = attention_bias(sequence.parent_index, dtype=dtype, device=device)
+        check_attention_setup(model, mask)
+        hidden = model.base_model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask
+        ).last_hidden_state
+    else:
+        raise ValueError(f"unknown tree attention kernel {kernel!r}; expected 'blocks' or 'dense'")
     picked = hidden[0, torch.as_tensor(parents, dtype=torch.long, device=device)]  # [n_targets, H]
     logits = model.get_output_embeddings()(picked).float()  # [n_targets, V]
     log_probs = torch.log_softmax(logits, dim=-1)
