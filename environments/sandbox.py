@@ -13,7 +13,9 @@ script) that applies, as far as the kernel allows:
   except the workspace (a bind mount, read-write), a private tmpfs on ``/tmp`` and ``/dev/shm``,
   an empty ``/run``, a minimal ``/dev`` (null, zero, full, random, urandom, tty) and a fresh
   read-only ``/proc``. Sibling workspaces under the ``Sandbox.create`` root are hidden. Writes to
-  ``/tmp`` succeed but vanish with the command; nothing outside the workspace persists.
+  ``/tmp`` succeed but vanish with the command; nothing outside the workspace persists. The
+  interpreter's folders (the venv, the base installation) stay visible read-only even when they
+  live under a covered folder (a checkout in /tmp), so ``python`` works inside.
 * **processes**: a fresh PID namespace (the command cannot see or signal anything outside it, and
   every process it started dies when it ends) and a cgroup ``pids.max`` limit.
 * **privileges**: the command keeps uid 0 (the interpreter lives under ``/root``, which another uid
@@ -192,6 +194,9 @@ class Sandbox:
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
         }
+        self.visible_paths = interpreter_paths()
+        """Folders commands see read-only even under a covered folder (/tmp, the hide root): this
+        interpreter's, so ``python`` works when the checkout and its venv live in /tmp."""
 
     @classmethod
     def create(
@@ -415,6 +420,7 @@ class Sandbox:
             "limits": asdict(self.limits),
             "argv": [shutil.which("bash") or "/bin/bash", "-c", command],
             "env": self.env,
+            "keep": self.visible_paths,
         }
         return [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
 
@@ -778,6 +784,18 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, siocsifflags, struct.pack("16sH22x", b"lo", current | iff_up))
 
 
+def _under(path: str, folders: list[str]) -> bool:
+    return any(path == folder or path.startswith(folder.rstrip("/") + "/") for folder in folders)
+
+
+def interpreter_paths() -> list[str]:
+    """Folders a command needs to run this Python (the venv and the base installation), resolved."""
+    raw = (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))
+    paths = {os.path.abspath(p) for p in raw} | {os.path.realpath(p) for p in raw}
+    paths.add(os.path.dirname(os.path.realpath(sys.executable)))
+    return sorted(p for p in paths if os.path.isdir(p))
+
+
 def _build_mounts(libc: _Libc, spec: dict) -> None:
     """Everything read-only but a clone of the workspace, private /tmp, /run, /dev."""
     workspace = spec["workspace"]
@@ -790,6 +808,21 @@ def _build_mounts(libc: _Libc, spec: dict) -> None:
     )
     libc.setattr(tree_fd, "", AT_EMPTY_PATH | AT_RECURSIVE, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     libc.setattr(AT_FDCWD, "/", AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+    hide_root = spec["hide_root"] if spec["hide_root"] and spec["hide_root"] != "/" else None
+    covered = ["/tmp", "/run", "/dev", *([hide_root] if hide_root else [])]
+    kept = []  # the interpreter's folders, when they live under a folder we cover (a venv in /tmp)
+    for path in spec.get("keep", []):
+        if _under(path, covered) and not _under(path, [workspace]):
+            fd = libc.check(
+                libc.lib.syscall(
+                    SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC
+                ),
+                f"open_tree {path}",
+            )
+            libc.setattr(
+                fd, "", AT_EMPTY_PATH | AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+            )
+            kept.append((path, fd))
     libc.mount(
         "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec['limits']['tmp_bytes']}"
     )
@@ -803,9 +836,16 @@ def _build_mounts(libc: _Libc, spec: dict) -> None:
     os.mkdir("/dev/shm")
     libc.mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m")
     libc.setattr(AT_FDCWD, "/dev", 0, MOUNT_ATTR_RDONLY)
-    if spec["hide_root"] and spec["hide_root"] != "/":
-        os.makedirs(spec["hide_root"], exist_ok=True)
-        libc.mount("tmpfs", spec["hide_root"], "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+    if hide_root:
+        os.makedirs(hide_root, exist_ok=True)
+        libc.mount("tmpfs", hide_root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+    for path, fd in kept:
+        os.makedirs(path, exist_ok=True)
+        libc.check(
+            libc.lib.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+            f"move_mount {path}",
+        )
+        os.close(fd)
     os.makedirs(workspace, exist_ok=True)
     libc.check(
         libc.lib.syscall(SYS_MOVE_MOUNT, tree_fd, b"", AT_FDCWD, workspace.encode(), MOVE_MOUNT_F_EMPTY_PATH),

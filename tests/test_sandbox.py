@@ -301,3 +301,21 @@ def test_create_refuses_bad_names_and_reuse(tmp_path):
         make(tmp_path, "../up")
     with pytest.raises(SandboxViolation):
         Sandbox.create(tmp_path / "root", "bad", {"../../x.txt": "x"})
+
+
+@needs_fs
+def test_the_interpreter_stays_visible_when_it_lives_under_tmp(tmp_path):
+    """A checkout and its venv in /tmp (as CI may place them): /tmp is private in the sandbox, but the
+    interpreter's folders are mounted back read-only, so `python` still runs."""
+    tools = tmp_path / "venv" / "bin"
+    tools.mkdir(parents=True)
+    (tools / "hello").write_text("#!/bin/sh\necho hello from $0\n")
+    (tools / "hello").chmod(0o755)
+    sandbox = make(tmp_path)
+    hidden = sandbox.run(f"{tools}/hello")
+    assert hidden.returncode == 127  # under /tmp, so not visible by default
+    sandbox.visible_paths.append(str(tools.parent))
+    shown = sandbox.run(f"{tools}/hello && touch {tools}/new")
+    assert shown.stdout == f"hello from {tools}/hello\n"
+    assert "Read-only file system" in shown.stderr and not (tools / "new").exists()
+    assert sandbox.run("python -c 'print(6 * 7)'").stdout == "42\n"
