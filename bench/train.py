@@ -1,6 +1,6 @@
 """The training benchmark: tree-packed vs per-path training, and elastic satellites.
 
-    gyre bench train --quick    # tiny model (3M), small trees: about three minutes on 2 cores
+    gyre bench train --quick    # tiny model (3M), small trees: under three minutes on 2 cores
     gyre bench train            # small model (40M), longer trees
 
 Measured in ONE run on the same model and the same batch (the machine is shared and noisy: read
@@ -257,9 +257,11 @@ def _equality(model_dir: str, batch: PackedBatch) -> dict[str, float]:
     }
 
 
-def _throughput(model_dir: str, batch: PackedBatch, repeats: int = 2, extra: bool = True) -> dict[str, Any]:
+def _throughput(
+    model_dir: str, batch: PackedBatch, repeats: int = 2, extra: bool = True, extra_repeats: int = 2
+) -> dict[str, Any]:
     """Tree-packed against per-path training; ``extra`` also times the dense-mask kernel and the lean
-    per-path baseline."""
+    per-path baseline (``extra_repeats`` times: the quick run times them once)."""
     config = LossConfig()
     n_executions = len(batch.advantages)
     worker = GradWorker(load_policy_model(model_dir), config)
@@ -275,7 +277,7 @@ def _throughput(model_dir: str, batch: PackedBatch, repeats: int = 2, extra: boo
         started = time.perf_counter()
         naive_grad = _per_path_step(naive_model, jobs, n_executions, config)
         naive_s.append(time.perf_counter() - started)
-        if extra:
+        if extra and len(dense_s) < extra_repeats:
             started = time.perf_counter()
             dense_grad = _tree_step(naive_model, batch, config, "dense")
             dense_s.append(time.perf_counter() - started)
@@ -324,12 +326,12 @@ def _batch_figures(batch: PackedBatch) -> dict[str, int]:
     }
 
 
-def _branched(model_dir: str, root: str, vocab: int, size: dict[str, Any]) -> dict[str, Any]:
+def _branched(model_dir: str, root: str, vocab: int, size: dict[str, Any], repeats: int) -> dict[str, Any]:
     """The throughput section on a workload whose calls are retried far more often."""
     batch, naive_selected = _workload(root, vocab, size, p_retry=P_RETRY_BRANCHED)
     _perturb(batch, load_policy_model(model_dir).eval())
     figures: dict[str, Any] = {"p_retry": P_RETRY_BRANCHED, "batch": _batch_figures(batch)}
-    figures.update(_throughput(model_dir, batch, extra=False))
+    figures.update(_throughput(model_dir, batch, repeats=repeats, extra=False))
     figures["selected_trajectory_tokens"] = naive_selected
     return figures
 
@@ -413,10 +415,12 @@ def run(quick: bool) -> dict[str, Any]:
             _model_folder("tiny", tiny_dir)
         figures: dict[str, Any] = {"preset": size["preset"], "quick": quick}
         figures.update(_equality(tiny_dir, batch))
-        figures.update(_throughput(model_dir, batch))
+        figures.update(_throughput(model_dir, batch, extra_repeats=1 if quick else 2))
         figures["selected_trajectory_tokens"] = naive_selected
         figures["p_retry"] = P_RETRY
-        figures["branched"] = _branched(model_dir, os.path.join(workdir, "branched"), min(vocab, 4096), size)
+        figures["branched"] = _branched(
+            model_dir, os.path.join(workdir, "branched"), min(vocab, 4096), size, repeats=1 if quick else 2
+        )
         elastic = _elastic(model_dir, batch, workdir)
         figures["elastic_grad_rel_diff"] = elastic.pop("elastic_grad_rel_diff")
         figures["elastic"] = elastic
