@@ -32,7 +32,7 @@ from trajectory_store.storage import Store, StoreConfig
 
 DEFAULT_OUT = "bench/results/rollout.json"
 SIZES = {
-    True: {"problems": 12, "baseline": 4, "concurrency": 4, "timeout_s": 25.0, "short_turns": 2},
+    True: {"problems": 12, "baseline": 4, "concurrency": 4, "timeout_s": 40.0, "short_turns": 2},
     False: {"problems": 36, "baseline": 8, "concurrency": 6, "timeout_s": 60.0, "short_turns": 3},
 }
 
@@ -103,10 +103,18 @@ def run(quick: bool, model: str | None = None) -> dict[str, Any]:
             )
             sequential_s = time.perf_counter() - started
         con = connect(Store(store), SelectionConfig())
+        main_run = [o.execution_id for o in outcomes]  # not the sequential baseline's (step 1)
         naive, unique, calls = con.execute(
-            "SELECT sum(n_naive_tokens), sum(n_unique_tokens), sum(n_calls) FROM execution_stats"
+            "SELECT sum(n_naive_tokens), sum(n_unique_tokens), sum(n_calls) FROM execution_stats "
+            "WHERE execution_id IN (SELECT unnest($1))",
+            [main_run],
         ).fetchall()[0]
-        roles = dict(con.execute("SELECT role, count(*) FROM calls GROUP BY role").fetchall())
+        roles = dict(
+            con.execute(
+                "SELECT role, count(*) FROM calls WHERE execution_id IN (SELECT unnest($1)) GROUP BY role",
+                [main_run],
+            ).fetchall()
+        )
         probes = sandbox_probes(tmp)
     summary = summarize_outcomes(outcomes)
     concurrent_rate = len(outcomes) / wall_s * 60

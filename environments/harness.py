@@ -171,7 +171,11 @@ class Harness:
         turns = self.config.max_turns if agent_id == "main" else self.config.sub_max_turns
         fresh = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
         messages = list(fresh)
+        context_tokens = 0
         for _ in range(turns):
+            if context_tokens > self.config.context_budget_tokens:  # also after a failed step
+                messages = self._compress(messages, fresh, agent_id, summary_role)
+                context_tokens = 0
             outcome = None
             for attempt in range(self.config.max_retries + 1):
                 message, context_tokens = self._call(messages, agent_id, role, tools)
@@ -202,8 +206,6 @@ class Harness:
                     finished = done
             if finished is not None:
                 return finished
-            if context_tokens > self.config.context_budget_tokens:
-                messages = self._compress(messages, fresh, agent_id, summary_role)
         return None
 
     def _compress(self, messages, fresh, agent_id: str, summary_role: str) -> list[dict[str, Any]]:

@@ -67,6 +67,31 @@ def add_sft_parser(model_commands) -> None:
     sft.add_argument("--report", default=None, help="also write the report as JSON here")
 
 
+def add_eval_parser(model_commands) -> None:
+    evaluate = model_commands.add_parser(
+        "eval", help="held-out pass rate and mean reward of a policy (engine + gateway + harness + graders)"
+    )
+    evaluate.add_argument("--model", required=True, help="HF folder of the policy")
+    evaluate.add_argument("--suites", default="terminal,repo,swe", help="comma-separated suites")
+    evaluate.add_argument("--problems", type=int, default=8, help="held-out problems per suite")
+    evaluate.add_argument("--difficulty", type=int, default=1)
+    evaluate.add_argument("--seed", type=int, default=0, help="problem seed (SFT trains on seeds >= 1000)")
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    from tasks.sft import evaluate_policy
+
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    result = evaluate_policy(args.model, suites, args.problems, seed=args.seed, difficulty=args.difficulty)
+    for suite in [*suites, "overall"]:
+        summary = result[suite]
+        print(
+            f"{suite:<9} pass rate {summary['pass_rate']:.2f}   mean reward {summary['mean_reward']:.3f}   "
+            f"{summary['executions']} executions, {summary['calls']} calls, {summary['branches']} branches"
+        )
+    return 0
+
+
 def add_bench_parser(bench_commands) -> None:
     bench = bench_commands.add_parser(
         "rollout", help="agent executions: throughput, trees, timeouts graded, sandbox refusals"

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--device", default="auto")
 
-    model = commands.add_parser("model", help="policy models: initialize one (HF format, any fsspec URL)")
+    model = commands.add_parser("model", help="policy models: init (HF format, any fsspec URL), sft (warm start), eval")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     init = model_commands.add_parser("init", help="write a seeded random-init Qwen2 model and its tokenizer")
     init.add_argument("--preset", choices=["tiny", "small", "gpu-0.5b", "gpu-1.5b"], default="tiny")
@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--force", action="store_true", help="replace the model files already at --out")
     init.add_argument("--s3-endpoint-url", default=None, help="S3 API endpoint (default: AWS variables)")
     agents_cli.add_sft_parser(model_commands)
+    agents_cli.add_eval_parser(model_commands)
     agents_cli.add_rollout_parser(commands)
     agents_cli.add_bench_parser(bench_commands)
     return parser
@@ -181,6 +182,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return agents_cli.run_rollout_command(args)
     if args.command == "model" and args.model_command == "sft":
         return agents_cli.run_sft_command(args)
+    if args.command == "model" and args.model_command == "eval":
+        return agents_cli.run_eval_command(args)
     if args.command == "gateway":
         from tasks.serve import gateway_options, serve_gateway
 
