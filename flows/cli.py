@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--device", default="auto")
 
-    model = commands.add_parser("model", help="policy models: init (HF format, any fsspec URL), sft (warm start), eval")
+    model = commands.add_parser(
+        "model", help="policy models: init (HF format, any fsspec URL), sft (warm start), eval"
+    )
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     init = model_commands.add_parser("init", help="write a seeded random-init Qwen2 model and its tokenizer")
     init.add_argument("--preset", choices=["tiny", "small", "gpu-0.5b", "gpu-1.5b"], default="tiny")
