@@ -31,6 +31,8 @@ import torch
 import uvicorn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tests.test_rollout_fixtures import one_cpu_thread  # noqa: F401  (re-exported for the gateway tests)
+
 TOOL_CALL_TEXT = '<tool_call>{"arguments":\n{},\n"name": "search"}</tool_call>'
 TEXT_SCRIPT_TOKENS = 80
 TOOLS = [
@@ -159,16 +161,6 @@ def kill(server: uvicorn.Server) -> None:
     """Stops a server as a crash would: no graceful wait for requests in flight."""
     server.force_exit = True
     server.should_exit = True
-
-
-@contextlib.contextmanager
-def one_cpu_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 ENGINE_TOKEN = "engine-admin-token"

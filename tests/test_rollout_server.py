@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from safetensors.torch import save_file
 
 from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams, ShmTransport
 from engines.rollout.server import create_app
+from tests.test_gateway_fixtures import serving as serve_app
 from tests.test_rollout_fixtures import one_cpu_thread, perturbed_state, tiny_policy
 
 TOKEN = "s3cret-admin-token"
@@ -29,22 +26,8 @@ def _one_thread():
 
 @contextlib.contextmanager
 def serving(engine: RolloutEngine):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    app = create_app(engine, admin_token=TOKEN, model_name="tiny")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_app(create_app(engine, admin_token=TOKEN, model_name="tiny")) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
