@@ -24,7 +24,9 @@ def demonstration(problem: Problem, config: HarnessConfig | None = None) -> list
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": problem.instruction},
     ]
-    actions = [*problem.solution, {"tool": "finish", "arguments": {"summary": "done"}}]
+    actions = list(problem.solution)
+    if not actions or actions[-1]["tool"] != "finish":  # the generators' solutions end with their own
+        actions.append({"tool": "finish", "arguments": {"summary": "done"}})
     with tempfile.TemporaryDirectory(prefix="gyre-demo-") as root:
         sandbox = Sandbox.create(root, "workspace", problem.files, config.limits)
         harness = Harness(None, sandbox, problem, config)  # no client: only its tools are used

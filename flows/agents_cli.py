@@ -59,9 +59,16 @@ def add_sft_parser(model_commands) -> None:
     sft.add_argument("--suites", default="terminal,repo,swe", help="comma-separated suites")
     sft.add_argument("--train-problems", type=int, default=240)
     sft.add_argument("--eval-problems", type=int, default=8, help="held-out problems per suite")
-    sft.add_argument("--steps", type=int, default=400)
+    sft.add_argument("--steps", type=int, default=300)
     sft.add_argument("--batch-size", type=int, default=8)
     sft.add_argument("--lr", type=float, default=2e-3)
+    sft.add_argument(
+        "--copy-steps",
+        type=int,
+        default=1000,
+        help="steps of copy drills first: a random-init policy cannot copy names from the instruction "
+        "(0 for a pretrained policy)",
+    )
     sft.add_argument("--difficulty", type=int, default=1)
     sft.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
     sft.add_argument("--report", default=None, help="also write the report as JSON here")
@@ -183,10 +190,18 @@ def run_sft_command(args: argparse.Namespace) -> int:
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
+        copy_steps=args.copy_steps,
         difficulty=args.difficulty,
         evaluate=not args.no_eval,
     )
     training = report["training"]
+    if "copy" in training:
+        copy = training["copy"]
+        print(
+            f"copy drills: {copy['steps']} steps on {copy['drills']} drills ({copy['words']} words) in "
+            f"{copy['train_s']:.0f} s: loss {copy['first_loss']:.3f} -> {copy['final_loss']:.3f}; "
+            f"{copy['held_out_confident']:.0%} of held-out drill tokens copied with p > 0.5"
+        )
     print(
         f"trained {training['steps']} steps on {training['demonstrations']} demonstrations "
         f"({training['target_tokens']} target tokens) in {training['train_s']:.0f} s: loss "

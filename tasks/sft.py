@@ -68,6 +68,7 @@ def sft_model(
     steps: int = 300,
     batch_size: int = 8,
     lr: float = 2e-3,
+    copy_steps: int = 1000,
     difficulty: int = 1,
     evaluate: bool = True,
     seed: int = 0,
@@ -92,8 +93,9 @@ def sft_model(
     if evaluate:
         report["before"] = evaluate_policy(model_dir, suites, eval_problems, seed=seed, difficulty=difficulty)
         log(f"before SFT: {_line(report['before']['overall'])}")
-    config = SFTConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed)
-    report["training"] = train_sft(model_dir, demos, out, config, log=log)
+    config = SFTConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed, copy_steps=copy_steps)
+    instructions = [p.instruction for p in problems]
+    report["training"] = train_sft(model_dir, demos, out, config, log=log, copy_texts=instructions)
     if evaluate:
         report["after"] = evaluate_policy(out, suites, eval_problems, seed=seed, difficulty=difficulty)
         log(f"after SFT:  {_line(report['after']['overall'])}")

@@ -8,7 +8,15 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engines.model.tokenizer import save_tokenizer
-from engines.train.sft import Demonstration, SFTConfig, pack_prefix_tree, render, train_sft
+from engines.train.sft import (
+    Demonstration,
+    SFTConfig,
+    copy_drills,
+    drill_words,
+    pack_prefix_tree,
+    render,
+    train_sft,
+)
 from engines.train.tree import target_logprobs
 from environments.demos import demonstration, demonstrations
 from environments.harness import TOOLS
@@ -23,7 +31,8 @@ def test_demonstrations_play_the_reference_solution_through_the_harness_tools():
         assert [m["role"] for m in messages[:2]] == ["system", "user"]
         assert messages[1]["content"] == problem.instruction
         calls = [m["tool_calls"][0]["function"]["name"] for m in messages if m["role"] == "assistant"]
-        assert calls == [a["tool"] for a in problem.solution] + ["finish"]
+        assert calls == [a["tool"] for a in problem.solution]
+        assert calls[-1] == "finish" and calls.count("finish") == 1  # the harness stops at finish
         results = [m["content"] for m in messages if m["role"] == "tool"]
         assert not any(r.startswith("error") for r in results), results
         if problem.visible_test_command:  # the visible tests pass after the reference edits
@@ -39,6 +48,24 @@ def test_only_assistant_turns_are_targets():
     assert '"name": "finish"' in text and "<|im_end|>" in text
     assert "You are a coding agent" not in text and "<tool_response>" not in text
     assert messages[1]["content"] not in text
+
+
+def test_copy_drills_target_only_the_second_copy_of_a_text():
+    tok = tokenizer()
+    instructions = ["Delete the file backup/todo.txt.", "Rename a.md to b/c.md."]
+    assert drill_words(instructions) == sorted(
+        ["Delete", "the", "file", "backup/todo.txt", "Rename", "a.md", "to", "b/c.md"]
+    )
+    words = drill_words(instructions, extra=50)
+    assert {"backup/todo.txt", "Delete", "a.md", "b/c.md"} <= set(words) and len(words) > 50
+    drills = copy_drills(tok, words, 30, seed=1)
+    assert len(drills) == 30 and drills != copy_drills(tok, words, 30, seed=2)
+    for drill in drills:
+        start = drill.targets.index(True)
+        assert all(drill.targets[start:]) and not any(drill.targets[:start])
+        prompt, copied = tok.decode(drill.token_ids[:start]), tok.decode(drill.token_ids[start:])
+        assert prompt.endswith(f"say: {copied}")  # the target repeats the text after "say:"
+        assert set(copied.split()) <= set(words)
 
 
 def _model(vocab: int) -> Qwen2ForCausalLM:
@@ -91,10 +118,12 @@ def test_training_lowers_the_loss_and_saves_a_loadable_policy(tmp_path):
     _model(len(tok)).save_pretrained(folder, safe_serialization=True)
     save_tokenizer(tok, folder)
     demos = demonstrations(generate("terminal", 3, seed=5))
-    report = train_sft(
-        str(folder), demos, str(tmp_path / "out"), SFTConfig(steps=12, batch_size=3, lr=1e-2, warmup_steps=2)
-    )
+    config = SFTConfig(steps=12, batch_size=3, lr=1e-2, warmup_steps=2, copy_steps=4, copy_batch_size=4)
+    instructions = ["Delete the file backup/todo.txt."]
+    report = train_sft(str(folder), demos, str(tmp_path / "out"), config, copy_texts=instructions)
     assert report["demonstrations"] == 3 and report["target_tokens"] > 0
+    assert report["copy"]["steps"] == 4 and report["copy"]["drills"] == 16
+    assert np.isfinite(report["copy"]["final_loss"]) and 0 <= report["copy"]["held_out_confident"] <= 1
     assert report["final_loss"] < report["first_loss"] - 1.0
     reloaded = Qwen2ForCausalLM.from_pretrained(tmp_path / "out")
     assert reloaded.config.vocab_size == len(tok)

@@ -10,6 +10,13 @@ is trained as ONE prefix tree (engines.train.tree): shared tokens are computed o
 token is weighted by how many demonstrations of the batch have it, which gives exactly the loss of
 training the demonstrations one by one.
 
+A model that starts from random weights has no in-context copying: after a warm start on
+demonstrations alone the tiny policy writes the right operation with the wrong names (``rm
+data/ideas.md`` for "Delete the file backup/todo.txt"). ``copy_steps`` first trains it on copy drills
+(`copy_drills`: a random text, then the same text again; the second copy is the target), which is the
+cheapest way to grow the induction heads a pretrained LLM brings with it. The drill texts are drawn
+from the words the caller passes (the training problems' instructions) and the tokenizer corpus.
+
 Assistant spans are found by rendering the conversation up to each assistant turn with the
 generation prompt and again with the turn: the tokens in between are that turn's (the template ends
 every turn with <|im_end|>, so rendering a longer prefix never changes the tokens before it; this is
@@ -49,6 +56,14 @@ class SFTConfig:
     """Conversations longer than this many tokens are cut (their tail turns are lost)."""
     seed: int = 0
     log_every: int = 25
+    copy_steps: int = 0
+    """Steps of copy drills before the demonstrations (0: none)."""
+    copy_batch_size: int = 32
+    """Copy drills per step."""
+    copy_lr: float = 2e-3
+    """Peak learning rate of the copy drills (same schedule shape)."""
+    copy_corpus_words: int = 0
+    """Words of the tokenizer corpus added to the drill vocabulary (the callers' words come first)."""
 
 
 @dataclass
@@ -78,6 +93,35 @@ def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]
         for position in range(len(start), len(end)):
             targets[position] = True
     return Demonstration(full, targets)
+
+
+def copy_drills(tokenizer, words: list[str], n: int, seed: int) -> list[Demonstration]:
+    """``n`` copy drills: a few filler words, ``say:`` and a random text of 4-24 ``words``, then the same
+    text again as the target (every token of the second copy but its first is predictable only by
+    looking back at the first copy)."""
+    if not words:
+        raise ValueError("copy drills need a non-empty word list")
+    rng = random.Random(seed)
+    drills = []
+    for _ in range(n):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(4, 24)))
+        filler = " ".join(rng.choice(words) for _ in range(rng.randint(0, 8)))
+        first = tokenizer.encode(f"{filler}\nsay: {text}\n", add_special_tokens=False)
+        second = tokenizer.encode(f"{text}\n", add_special_tokens=False)
+        drills.append(Demonstration(first + second, [False] * len(first) + [True] * len(second)))
+    return drills
+
+
+def drill_words(texts: list[str], extra: int = 0, seed: int = 0) -> list[str]:
+    """The vocabulary of copy drills: every whitespace-separated word of ``texts`` (trailing
+    punctuation stripped) plus ``extra`` words of the tokenizer's training corpus."""
+    from engines.model.corpus import generate_corpus
+
+    words = {w.rstrip(".,:;") for text in texts for w in text.split()}
+    if extra:
+        corpus = {w for doc in generate_corpus()[:400] for w in doc.split() if w.isascii() and len(w) < 16}
+        words |= set(random.Random(seed).sample(sorted(corpus), min(extra, len(corpus))))
+    return sorted(w for w in words if w)
 
 
 def pack_prefix_tree(demos: list[Demonstration], max_len: int) -> tuple[PackedSequence, np.ndarray]:
@@ -142,9 +186,11 @@ def train_sft(
     out_dir: str,
     config: SFTConfig | None = None,
     log=print,
+    copy_texts: list[str] | None = None,
 ) -> dict[str, Any]:
     """Fine-tunes the HF model at ``model_dir`` on ``conversations`` ((messages, tools) pairs) and saves
-    the result (weights + tokenizer) to ``out_dir``. Returns loss figures."""
+    the result (weights + tokenizer) to ``out_dir``. With ``config.copy_steps``, copy drills built from
+    the words of ``copy_texts`` (and the tokenizer corpus) come first. Returns loss figures."""
     config = config or SFTConfig()
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(model_dir)
@@ -155,23 +201,87 @@ def train_sft(
     demos = [render(tokenizer, messages, tools) for messages, tools in conversations]
     if not demos:
         raise ValueError("no demonstrations to train on")
+    report: dict[str, Any] = {}
+    if config.copy_steps:
+        words = drill_words(copy_texts or [], extra=config.copy_corpus_words, seed=config.seed)
+        drills = copy_drills(tokenizer, words, config.copy_steps * config.copy_batch_size, config.seed)
+        started = time.perf_counter()
+        losses = _train(
+            model, drills, config.copy_steps, config.copy_batch_size, config.copy_lr, config, log, "copy"
+        )
+        report["copy"] = {
+            "held_out_confident": _confident_share(model, copy_drills(tokenizer, words, 64, config.seed + 1)),
+            "steps": config.copy_steps,
+            "drills": len(drills),
+            "words": len(words),
+            "first_loss": losses[0],
+            "final_loss": _tail_mean(losses),
+            "train_s": time.perf_counter() - started,
+        }
     truncated = sum(len(d.token_ids) > config.max_len for d in demos)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    started = time.perf_counter()
+    losses = _train(model, demos, config.steps, config.batch_size, config.lr, config, log, "sft")
+    train_s = time.perf_counter() - started
+    model.eval()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "demonstrations": len(demos),
+        "truncated": truncated,
+        "target_tokens": sum(sum(d.targets) for d in demos),
+        "steps": config.steps,
+        "first_loss": losses[0],
+        "final_loss": _tail_mean(losses),
+        "train_s": train_s,
+        "out": out_dir,
+        **report,
+    }
+
+
+@torch.no_grad()
+def _confident_share(model, drills: list[Demonstration]) -> float:
+    """Share of the drills' target tokens the model gives probability > 0.5 (so they are also its
+    greedy choice): how well it copies, on drills it was not trained on."""
+    model.eval()
+    tree, _ = pack_prefix_tree(drills, 4096)
+    share = float((target_logprobs(model, tree).logprobs > math.log(0.5)).float().mean())
+    model.train()
+    return share
+
+
+def _tail_mean(losses: list[float]) -> float:
+    tail = losses[-max(1, len(losses) // 10) :]
+    return sum(tail) / len(tail)
+
+
+def _train(
+    model,
+    demos: list[Demonstration],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    config: SFTConfig,
+    log,
+    label: str,
+) -> list[float]:
+    """``steps`` AdamW steps over ``demos`` (shuffled epochs), each batch one prefix tree; linear
+    warm-up then cosine to 10% of ``lr``. Returns the loss of every step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
 
     def lr_at(step: int) -> float:
         if step < config.warmup_steps:
-            return config.lr * (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+            return lr * (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, steps - config.warmup_steps)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
     rng = random.Random(config.seed)
     order: list[int] = []
     losses: list[float] = []
-    started = time.perf_counter()
-    for step in range(config.steps):
-        if len(order) < config.batch_size:
+    for step in range(steps):
+        if len(order) < batch_size:
             order += rng.sample(range(len(demos)), len(demos))
-        batch = [demos[order.pop()] for _ in range(config.batch_size)]
+        batch = [demos[order.pop()] for _ in range(batch_size)]
         tree, weights = pack_prefix_tree(batch, config.max_len)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -183,20 +293,6 @@ def train_sft(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
-        if log and (step % config.log_every == 0 or step == config.steps - 1):
-            log(f"sft step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step):.2e}")
-    model.eval()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    tail = losses[-max(1, len(losses) // 10) :]
-    return {
-        "demonstrations": len(demos),
-        "truncated": truncated,
-        "target_tokens": sum(sum(d.targets) for d in demos),
-        "steps": config.steps,
-        "first_loss": losses[0],
-        "final_loss": sum(tail) / len(tail),
-        "train_s": time.perf_counter() - started,
-        "out": out_dir,
-    }
+        if log and (step % config.log_every == 0 or step == steps - 1):
+            log(f"{label} step {step:4d}  loss {losses[-1]:.4f}  lr {lr_at(step):.2e}")
+    return losses
