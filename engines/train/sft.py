@@ -15,7 +15,8 @@ demonstrations alone the tiny policy writes the right operation with the wrong n
 data/ideas.md`` for "Delete the file backup/todo.txt"). ``copy_steps`` first trains it on copy drills
 (`copy_drills`: a random text, then the same text again; the second copy is the target), which is the
 cheapest way to grow the induction heads a pretrained LLM brings with it. The drill texts are drawn
-from the words the caller passes (the training problems' instructions) and the tokenizer corpus.
+from the words the caller passes (the training problems' instructions), optionally with
+``copy_corpus_words`` words of the tokenizer corpus.
 
 Assistant spans are found by rendering the conversation up to each assistant turn with the
 generation prompt and again with the turn: the tokens in between are that turn's (the template ends
