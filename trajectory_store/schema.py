@@ -17,17 +17,23 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
 
-ROLES = ("main", "sub", "main_summary", "sub_summary")
+Role = Literal["main", "sub", "main_summary", "sub_summary"]
 """Who made a call; summary roles are context-compression calls."""
-STATUSES = ("completed", "timeout", "error", "eval_failed")
-REWARD_SOURCES = ("final", "workspace_snapshot", "placeholder")
+Status = Literal["completed", "timeout", "error", "eval_failed"]
+"""How an execution ended (eval_failed: the grader failed; never trained on)."""
+RewardSource = Literal["final", "workspace_snapshot", "placeholder"]
+"""Where an execution's reward came from: its final workspace, a snapshot of a timed-out one, or
+nothing to grade (a reward-0 placeholder)."""
+ROLES: tuple[str, ...] = get_args(Role)
+STATUSES: tuple[str, ...] = get_args(Status)
+REWARD_SOURCES: tuple[str, ...] = get_args(RewardSource)
 MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32
 
 EXECUTIONS_SCHEMA = pa.schema(
