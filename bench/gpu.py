@@ -36,7 +36,6 @@ Timings synchronize the device around each measured interval; figures are wall-c
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import dataclasses
 import gc
@@ -44,7 +43,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import pickle
 import platform
 import random
 import shutil
@@ -60,12 +58,11 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel
 
 from engines.rollout.config import EngineConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.messages import GenerateRequest, SamplingParams
-from engines.rollout.migration import KVTransport, SessionState, ShmHandle, ShmTransport, pack, unpack
+from engines.rollout.migration import ShmHandle, ShmTransport, TorchIpcHandle, TorchIpcTransport
 from engines.train.config import LossConfig, TrainerConfig
 from engines.train.loss import policy_loss
 from engines.train.tree import path_logprobs, target_logprobs
@@ -936,64 +933,6 @@ def section_role_switch(run: Run, figures: dict, deadline: float) -> None:
 
 
 # -- e. migration -------------------------------------------------------------------------------------
-class TorchIpcHandle(BaseModel):
-    kind: Literal["torch_ipc"] = "torch_ipc"
-    header: dict  # migration.pack's header of the state without its KV (tokens, decode state)
-    meta: str  # base64 of that header's small buffer (tokens, generator state)
-    payload: str  # base64 of the pickled KV buffer: a CUDA IPC memory handle, or a shared-memory fd on CPU
-    session_id: str
-
-
-class TorchIpcTransport(KVTransport):
-    """Another process on the same device: the KV is copied ONCE into one tensor [layers, 2, kv_heads,
-    tokens, head_dim] on the exporter's device and shared through torch.multiprocessing's reductions
-    (CUDA IPC on a GPU: the importer maps the exporter's memory, nothing crosses the host). The
-    importer's import_session copies it into its own cache. The exporter keeps each buffer until
-    ``release`` (call it once the importer said it is done)."""
-
-    def __init__(self):
-        import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
-
-        self._sent: dict[str, torch.Tensor] = {}
-
-    def send(self, state: SessionState) -> TorchIpcHandle:
-        from multiprocessing.reduction import ForkingPickler
-
-        header, pieces = pack(dataclasses.replace(state, kv=None))
-        meta = bytearray(header["nbytes"])
-        for offset, raw in pieces:
-            meta[offset : offset + raw.numel()] = raw.numpy().tobytes()
-        payload = b""
-        if state.kv is not None:
-            keys = state.kv[0][0]
-            buffer = torch.empty((len(state.kv), 2, *keys.shape), dtype=keys.dtype, device=keys.device)
-            for layer, (k, v) in enumerate(state.kv):
-                buffer[layer, 0].copy_(k)
-                buffer[layer, 1].copy_(v)
-            payload = bytes(ForkingPickler.dumps(buffer))
-            self._sent[state.session_id] = buffer
-        return TorchIpcHandle(
-            header=header,
-            meta=base64.b64encode(bytes(meta)).decode(),
-            payload=base64.b64encode(payload).decode(),
-            session_id=state.session_id,
-        )
-
-    def receive(self, handle: TorchIpcHandle) -> SessionState:
-        meta = torch.frombuffer(bytearray(base64.b64decode(handle.meta)), dtype=torch.uint8)
-        state = unpack(handle.header, meta)
-        if handle.payload:
-            buffer = pickle.loads(base64.b64decode(handle.payload))
-            state.kv = [(buffer[layer, 0], buffer[layer, 1]) for layer in range(buffer.shape[0])]
-        return state
-
-    def release(self, session_id: str | None = None) -> None:
-        if session_id is None:
-            self._sent.clear()
-        else:
-            self._sent.pop(session_id, None)
-
-
 def _engine_process(name: str, folder: str, dtype: str, device: str, max_len: int, inbox, outbox) -> None:
     """An engine in its own process, driven by (command, args) messages; answers ("ok", result)."""
     try:

@@ -98,38 +98,3 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path):
     for name, entry in sections.items():
         assert entry["status"] == "error", name
         assert "was not built" in entry["error"]
-
-
-def test_torch_ipc_transport_moves_a_request_mid_decode_exactly():
-    """The transport the GPU run uses for CUDA IPC, here over CPU shared memory: a request moved after
-    K tokens continues exactly as if it had never moved, and B prefills none of the context."""
-    from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams
-    from tests.test_rollout_fixtures import VOCAB, one_cpu_thread, tiny_policy
-
-    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=20)
-    request = GenerateRequest(request_id="m", session_id="s", prompt_ids=prompt, sampling=sampling)
-    with one_cpu_thread():
-        model = tiny_policy()
-        unmigrated = RolloutEngine(model, EngineConfig()).generate([request])[0]
-        a, b = (
-            RolloutEngine(model, EngineConfig(engine_id="A")),
-            RolloutEngine(model, EngineConfig(engine_id="B")),
-        )
-        a.add_request(request)
-        for _ in range(6):
-            a.step()
-        transport = gpu.TorchIpcTransport()
-        handle = transport.send(a.export_session("s"))
-        wire = gpu.TorchIpcHandle.model_validate_json(
-            handle.model_dump_json()
-        )  # JSON-able, as a gateway sends it
-        b.import_session(transport.receive(wire))
-        transport.release("s")
-        prefilled = b.stats.prefilled_tokens
-        migrated = []
-        while b.has_unfinished():  # B continues the moved request where A stopped
-            migrated += [o for o in b.step() if o.request_id == "m"]
-    assert migrated[0].migrated
-    assert migrated[0].output_ids == unmigrated.output_ids
-    assert b.stats.prefilled_tokens == prefilled  # the moved context was not recomputed

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams, ShmTransport
-from engines.rollout.migration import GlooTransport, pack, unpack
+from engines.rollout.migration import GlooTransport, TorchIpcHandle, TorchIpcTransport, pack, unpack
 from tests.test_rollout_fixtures import VOCAB, one_cpu_thread, tiny_policy
 
 K = 7  # tokens produced on engine A before the move
@@ -89,6 +89,26 @@ def test_idle_session_over_shm_in_process_and_bf16_pack_roundtrip():
     back = unpack(header, flat)
     assert back.tokens == state.tokens and back.kv[1][1].dtype == torch.bfloat16
     assert torch.equal(back.kv[1][1], state.kv[1][1])
+
+
+def test_torch_ipc_transport_moves_a_request_mid_decode_exactly():
+    """The transport for CUDA IPC, here over CPU shared memory: a request moved after K tokens
+    continues exactly as if it had never moved, and B prefills none of the context."""
+    model = tiny_policy()
+    unmigrated = RolloutEngine(model, EngineConfig()).generate([request()])[0]
+    a = RolloutEngine(model, EngineConfig(engine_id="A"))
+    b = RolloutEngine(model, EngineConfig(engine_id="B"))
+    run_until_k_tokens(a)
+    transport = TorchIpcTransport()
+    handle = transport.send(a.export_session("s"))
+    wire = TorchIpcHandle.model_validate_json(handle.model_dump_json())  # JSON-able, as a gateway sends it
+    b.import_session(transport.receive(wire))
+    transport.release("s")
+    prefilled = b.stats.prefilled_tokens
+    migrated = finish(b)["m"]
+    assert migrated.migrated
+    assert migrated.output_ids == unmigrated.output_ids
+    assert b.stats.prefilled_tokens == prefilled == 0  # the moved context was not recomputed
 
 
 def _engine_b(model_dir: str, port: int, handles, results) -> None:

@@ -11,7 +11,7 @@ sampled ids with the policy's raw logprob of each and the policy version that pr
     kv.py         KVRows (preallocated KV buffers handed to the model as its cache) and 4D masks
     sampling.py   per-request generators, temperature / top-k / top-p, raw logprobs
     state.py      Session, RequestState, EngineStats
-    migration.py  SessionState, pack / unpack, KVTransport: ShmTransport, GlooTransport
+    migration.py  SessionState, pack / unpack, KVTransport: ShmTransport, TorchIpcTransport, GlooTransport
     server.py     FastAPI app: vLLM-shaped /v1/completions with token ids, admin endpoints
     loop.py       EngineLoop: the background thread that steps the engine for the server
     bench.py      bench_engine (multi-turn agent workload vs HF generate), bench_migration

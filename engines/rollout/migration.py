@@ -16,6 +16,9 @@ generator state, each at a 64-byte aligned offset) plus a small JSON header desc
 
     ShmTransport    same host: the buffer is a file in /dev/shm (tmpfs, RAM only); the handle is its path.
                     receive maps it (torch.from_file), unpacks zero-copy views and unlinks the file.
+    TorchIpcTransport  same device, another process: the KV is copied once into one tensor on the
+                    exporter's device and shared through torch.multiprocessing (a CUDA IPC handle on a
+                    GPU: nothing crosses the host; CPU shared memory elsewhere).
     GlooTransport   any two hosts: a torch.distributed ProcessGroupGloo built from a TCPStore +
                     PrefixStore (no global init_process_group); the header goes through the store,
                     the buffer through one point-to-point send/recv.
@@ -29,8 +32,11 @@ side (export_session / import_session and the SessionState layout) stays unchang
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import os
+import pickle
 import struct
 import tempfile
 import uuid
@@ -249,6 +255,65 @@ class ShmTransport(KVTransport):
         mapped = torch.from_file(handle.path, shared=False, size=handle.nbytes, dtype=torch.uint8)
         os.unlink(handle.path)
         return unpack(header, mapped[start:])
+
+
+class TorchIpcHandle(BaseModel):
+    kind: Literal["torch_ipc"] = "torch_ipc"
+    header: dict  # pack's header of the state without its KV (tokens, decode state)
+    meta: str  # base64 of that header's small buffer (tokens, generator state)
+    payload: str  # base64 of the pickled KV buffer: a CUDA IPC memory handle, or a shared-memory fd on CPU
+    session_id: str
+
+
+class TorchIpcTransport(KVTransport):
+    """Another process on the same device: the KV is copied ONCE into one tensor [layers, 2, kv_heads,
+    tokens, head_dim] on the exporter's device and shared through torch.multiprocessing's reductions
+    (CUDA IPC on a GPU: the importer maps the exporter's memory, nothing crosses the host). The
+    importer's import_session copies it into its own cache. The exporter keeps each buffer until
+    ``release`` (call it once the importer said it is done)."""
+
+    def __init__(self) -> None:
+        import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+
+        self._sent: dict[str, torch.Tensor] = {}
+
+    def send(self, state: SessionState) -> TorchIpcHandle:
+        from multiprocessing.reduction import ForkingPickler
+
+        header, pieces = pack(dataclasses.replace(state, kv=None))
+        meta = bytearray(header["nbytes"])
+        for offset, raw in pieces:
+            meta[offset : offset + raw.numel()] = raw.numpy().tobytes()
+        payload = b""
+        if state.kv is not None:
+            keys = state.kv[0][0]
+            buffer = torch.empty((len(state.kv), 2, *keys.shape), dtype=keys.dtype, device=keys.device)
+            for layer, (k, v) in enumerate(state.kv):
+                buffer[layer, 0].copy_(k)
+                buffer[layer, 1].copy_(v)
+            payload = bytes(ForkingPickler.dumps(buffer))
+            self._sent[state.session_id] = buffer
+        return TorchIpcHandle(
+            header=header,
+            meta=base64.b64encode(bytes(meta)).decode(),
+            payload=base64.b64encode(payload).decode(),
+            session_id=state.session_id,
+        )
+
+    def receive(self, handle: TorchIpcHandle) -> SessionState:
+        meta = torch.frombuffer(bytearray(base64.b64decode(handle.meta)), dtype=torch.uint8)
+        state = unpack(handle.header, meta)
+        if handle.payload:
+            buffer = pickle.loads(base64.b64decode(handle.payload))
+            state.kv = [(buffer[layer, 0], buffer[layer, 1]) for layer in range(buffer.shape[0])]
+        return state
+
+    def release(self, session_id: str | None = None) -> None:
+        """Drops the buffer sent for ``session_id`` (every buffer when None)."""
+        if session_id is None:
+            self._sent.clear()
+        else:
+            self._sent.pop(session_id, None)
 
 
 class GlooHandle(BaseModel):
