@@ -10,16 +10,14 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
 from prefect import task
 from pydantic import BaseModel
 
 from trajectory_store.config import PackingConfig, SelectionConfig
-from trajectory_store.db import connect
+from trajectory_store.db import connect, tree_counts, verify_prompts
 from trajectory_store.interchange import export_jsonl, import_jsonl
 from trajectory_store.processor import batch_to_table, pack
-from trajectory_store.schema import RecordError, context_hash
 from trajectory_store.storage import Store, StoreConfig
 from trajectory_store.synth import generate as generate_trace
 from trajectory_store.synth import preset, write_jsonl
@@ -110,57 +108,7 @@ def export_trace(store: StoreConfig, out_path: str) -> dict[str, int]:
 def rebuild_trees(store: StoreConfig, selection: SelectionConfig) -> TreeSummary:
     """Rebuilds every call's prompt (checked against context_hash) and counts the trees."""
     con = connect(Store(store), selection)
-    bad = con.sql(
-        "SELECT p.execution_id, p.call_id FROM call_prompts p JOIN calls c USING (execution_id, call_id) "
-        "WHERE len(p.prompt_ids) <> c.prompt_len ORDER BY ALL LIMIT 1"
-    ).fetchall()
-    if bad:
-        raise RecordError(
-            "the rebuilt prompt has the wrong length", execution_id=bad[0][0], call_id=bad[0][1]
-        )
-    verified = _verify_prompt_hashes(con)
-    row = con.execute(
-        """SELECT (SELECT count(*) FROM executions), (SELECT count(*) FROM calls), count(*),
-                  coalesce(sum(n_tokens), 0), coalesce(sum(n_tokens) FILTER (WHERE is_policy), 0),
-                  (SELECT count(*) FROM trajectories)
-           FROM tree_nodes"""
-    ).fetchall()[0]
-    return TreeSummary(
-        executions=row[0],
-        calls=row[1],
-        prompts_verified=verified,
-        tree_nodes=row[2],
-        unique_tokens=row[3],
-        policy_tokens=row[4],
-        trajectories=row[5],
-    )
-
-
-def _verify_prompt_hashes(con: Any) -> int:
-    reader = con.sql("SELECT execution_id, call_id, prompt_ids, context_hash FROM call_prompts").arrow()
-    batches = reader if hasattr(reader, "read_next_batch") else reader.to_batches()
-    verified = 0
-    for batch in batches:
-        prompts = batch.column("prompt_ids")
-        values = prompts.flatten().to_numpy()
-        offsets = prompts.offsets.to_numpy() - prompts.offsets[0].as_py()
-        for i, (execution_id, call_id, expected) in enumerate(
-            zip(
-                batch.column("execution_id").to_pylist(),
-                batch.column("call_id").to_pylist(),
-                batch.column("context_hash").to_pylist(),
-                strict=True,
-            )
-        ):
-            if context_hash(np.asarray(values[offsets[i] : offsets[i + 1]])) != expected:
-                raise RecordError(
-                    "the rebuilt prompt does not match the stored context_hash",
-                    execution_id=execution_id,
-                    call_id=call_id,
-                    field="context_hash",
-                )
-            verified += 1
-    return verified
+    return TreeSummary(prompts_verified=verify_prompts(con), **tree_counts(con))
 
 
 @task(name="select-trajectories", task_run_name="select trajectories of {store.campaign}")

@@ -14,10 +14,11 @@ from __future__ import annotations
 from importlib import resources
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from trajectory_store.config import SelectionConfig
-from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, RecordError
+from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, RecordError, context_hash
 from trajectory_store.storage import KINDS, Store
 
 VIEWS = (
@@ -113,3 +114,56 @@ def connect(
         if entry.name.endswith(".sql"):
             con.execute(entry.read_text())
     return con
+
+
+def verify_prompts(con: duckdb.DuckDBPyConnection) -> int:
+    """Rebuilds every call's prompt (call_prompts) and checks its length and its context_hash.
+
+    Returns the number of prompts verified; raises RecordError naming the first call whose rebuilt
+    prompt differs from what the recorder hashed. The hash runs in Python over one Arrow batch at a
+    time (blake2b is not a DuckDB function), so memory stays at one batch of prompts.
+    """
+    bad = con.sql(
+        "SELECT p.execution_id, p.call_id FROM call_prompts p JOIN calls c USING (execution_id, call_id) "
+        "WHERE len(p.prompt_ids) <> c.prompt_len ORDER BY ALL LIMIT 1"
+    ).fetchall()
+    if bad:
+        raise RecordError(
+            "the rebuilt prompt has the wrong length", execution_id=bad[0][0], call_id=bad[0][1]
+        )
+    reader = con.sql("SELECT execution_id, call_id, prompt_ids, context_hash FROM call_prompts").arrow()
+    batches = reader if hasattr(reader, "read_next_batch") else reader.to_batches()
+    verified = 0
+    for batch in batches:
+        prompts = batch.column("prompt_ids")
+        values = prompts.flatten().to_numpy()
+        offsets = prompts.offsets.to_numpy() - prompts.offsets[0].as_py()
+        for i, (execution_id, call_id, expected) in enumerate(
+            zip(
+                batch.column("execution_id").to_pylist(),
+                batch.column("call_id").to_pylist(),
+                batch.column("context_hash").to_pylist(),
+                strict=True,
+            )
+        ):
+            if context_hash(np.asarray(values[offsets[i] : offsets[i + 1]])) != expected:
+                raise RecordError(
+                    "the rebuilt prompt does not match the stored context_hash",
+                    execution_id=execution_id,
+                    call_id=call_id,
+                    field="context_hash",
+                )
+            verified += 1
+    return verified
+
+
+def tree_counts(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Executions, calls, tree nodes, unique and policy tokens, and trajectories of the store."""
+    row = con.execute(
+        """SELECT (SELECT count(*) FROM executions), (SELECT count(*) FROM calls), count(*),
+                  coalesce(sum(n_tokens), 0), coalesce(sum(n_tokens) FILTER (WHERE is_policy), 0),
+                  (SELECT count(*) FROM trajectories)
+           FROM tree_nodes"""
+    ).fetchall()[0]
+    names = ("executions", "calls", "tree_nodes", "unique_tokens", "policy_tokens", "trajectories")
+    return dict(zip(names, row, strict=True))

@@ -9,7 +9,6 @@ Export rebuilds every call's prompt from the delta encoding and checks it agains
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +16,9 @@ from typing import Any
 import numpy as np
 import orjson
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from trajectory_store.recorder import Recorder
-from trajectory_store.schema import CALLS_SCHEMA, RecordError, context_hash
+from trajectory_store.schema import RecordError, context_hash
 from trajectory_store.storage import Store
 
 MAX_LINE_BYTES = 1 << 30  # a single record above 1 GiB is refused rather than parsed
@@ -203,10 +201,3 @@ def export_jsonl(store: Store, out_path: str) -> dict[str, int]:
                 out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
                 counts["calls"] += 1
     return counts
-
-
-def calls_table_bytes(table: pa.Table) -> tuple[int, int]:
-    """(uncompressed Arrow bytes, Parquet bytes) of a calls table: what storage costs."""
-    buffer = io.BytesIO()
-    pq.write_table(table.cast(CALLS_SCHEMA), buffer, compression="zstd")
-    return table.nbytes, buffer.tell()
