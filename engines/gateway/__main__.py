@@ -40,8 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-root", default="./gyre-data", help="fsspec URL of the trajectory store")
     parser.add_argument("--campaign", default="default")
     parser.add_argument("--step", type=int, default=0, help="step of executions registered without one")
-    parser.add_argument("--max-prompt-tokens", type=int, default=LimitsConfig().max_prompt_tokens)
-    parser.add_argument("--max-request-bytes", type=int, default=LimitsConfig().max_request_bytes)
+    limits = parser.add_argument_group("limits (LimitsConfig: what one request or execution may ask for)")
+    for name, field in LimitsConfig.model_fields.items():  # one option per field: --max-prompt-chars ...
+        limits.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=field.default, help=field.description
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -58,9 +61,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         admin_token=admin_token,
         engines=[EngineSpec(url=url) for url in args.engine],
         engine_admin_token=args.engine_admin_token or os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN"),
-        limits=LimitsConfig(
-            max_prompt_tokens=args.max_prompt_tokens, max_request_bytes=args.max_request_bytes
-        ),
+        limits=LimitsConfig(**{name: getattr(args, name) for name in LimitsConfig.model_fields}),
         store=StoreConfig(data_root=args.data_root, campaign=args.campaign),
         step=args.step,
     )

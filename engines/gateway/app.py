@@ -18,9 +18,11 @@ Admin (Authorization: Bearer <admin_token>; 403 when the gateway has none, 401 w
 GET /health needs nothing.
 
 Errors are OpenAI-shaped (errors.py): 400 malformed JSON or fields, unknown role, n > 1, prompt above
-max_prompt_tokens (code context_length_exceeded); 401 missing/wrong key; 404 unknown or finished
-execution, unknown route; 413 body above max_request_bytes (checked against Content-Length first, then
-while reading); 503 no engine left. stream=true is emulated: the completion is computed whole, then
+max_prompt_chars (before tokenizing) or max_prompt_tokens (code context_length_exceeded), an execution
+past its calls / agents / tokens limits (code execution_limit_exceeded); 401 missing/wrong key; 404
+unknown or finished execution, unknown route; 413 body above max_request_bytes (checked against
+Content-Length first, then while reading); 422 a finish whose reward is not finite or outside [0, 1];
+503 no engine left. stream=true is emulated: the completion is computed whole, then
 sent as SSE chunks (role, content, tool calls, finish, usage) and [DONE]; the engine API has no token
 streaming.
 
@@ -30,6 +32,7 @@ minus the time spent waiting on engines: gateway.overhead_ms (p50/p99 in /admin/
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import secrets
@@ -120,7 +123,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise GatewayError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+            data = _lenient_json(raw)  # NaN / Infinity, as Python's json writes them
+            if data is None:
+                raise GatewayError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
         if not isinstance(data, dict):
             raise GatewayError(400, "the body must be a JSON object", code="invalid_json")
         try:
@@ -284,6 +289,18 @@ def _stream(payload: bytes) -> StreamingResponse:
             yield event + b"\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+def _lenient_json(raw: bytes | bytearray) -> Any:
+    """A small body that strict JSON refused, parsed by Python's json (which reads NaN and Infinity, so
+    a reward of NaN gets a clear 422 from the check that follows instead of a parse error); None when it
+    is not JSON either. Large bodies are not retried: a slow parse of a hostile body stays off the loop."""
+    if len(raw) > 65_536:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _describe(errors: list[Any]) -> str:

@@ -9,16 +9,24 @@ turns text into token ids and generated ids back into a message (content + parse
 Splicing rule (context.py relies on it): the tokenizer cuts text at every added token (<|im_start|>,
 <|im_end|>, the tool tags...) before its pre-tokenizer and BPE run, so for texts A and B where B starts
 with an added token, encode(A + B) == encode(A) + encode(B). `starts_at_boundary` checks that condition.
+
+Threads: encode, decode and render may run on the gateway's tokenizer threads (service.py runs large
+prompts there) while the event loop encodes small texts; a text above 4K characters is encoded with the
+GIL released, so a long tokenization does not stall the loop.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 from engines.gateway.render import ChatMLRenderer, TemplateRenderer
 from engines.model.chat import ENDOFTEXT, IM_END, parse_tool_calls
+
+# longer texts are encoded with the GIL released (encode_batch), so other threads run meanwhile
+_GIL_FREE_CHARS = 4096
 
 # a conversation touching every branch of CHAT_TEMPLATE, for the native renderer's self-check
 _PROBE = [
@@ -55,6 +63,7 @@ class ChatCodec:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._backend = backend if backend is not None and plain else None
+        self._lock = threading.Lock()
         vocab = tokenizer.get_vocab()
         self.eos_token: str = IM_END if IM_END in vocab else tokenizer.eos_token
         self.eos_id: int = vocab[self.eos_token]
@@ -114,8 +123,13 @@ class ChatCodec:
         if not text:
             return []
         if self._backend is not None:
+            if len(text) > _GIL_FREE_CHARS:
+                # the backend's encode holds the GIL throughout (a 10 MB text froze every thread for
+                # seconds); encode_batch releases it while it runs and gives the same ids
+                return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
             return self._backend.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        with self._lock:  # transformers sets truncation on the shared backend per call: not thread-safe
+            return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         if self._backend is not None:

@@ -25,6 +25,35 @@ class LimitsConfig(BaseModel):
         description="longest prompt after the chat template; above it 400 (code context_length_exceeded). "
         "Each engine also refuses prompts that leave no room under its max_model_len (400 too)",
     )
+    max_prompt_chars: int = Field(
+        2 * 2**20,
+        ge=1,
+        description="most characters a prompt may hold before it is tokenized (message contents, tool-call "
+        "arguments, names, the tools' JSON; a text prompt of /v1/completions). Above it 400 (code "
+        "context_length_exceeded) at once, without tokenizing: a 10 MB message costs a parse, not seconds "
+        "of tokenization. The default is 8 characters per token of max_prompt_tokens (BPE tokenizers "
+        "average 3 to 5 on text and code), so a prompt that fits in tokens is not refused by it",
+    )
+    max_calls_per_execution: int = Field(
+        10_000,
+        ge=1,
+        description="most calls one execution may make (all its agents together); further calls get 400 "
+        "(code execution_limit_exceeded)",
+    )
+    max_agents_per_execution: int = Field(
+        256,
+        ge=1,
+        description="most agents (sessions, each with its own context) one execution may open; a call "
+        "that would open one more gets 400 (code execution_limit_exceeded)",
+    )
+    max_execution_tokens: int = Field(
+        4 * 2**20,
+        ge=1,
+        description="most token ids the gateway may take in for one execution: the prompt ids it tokenized "
+        "plus the output ids it received, summed over the execution's calls (ids reused from earlier calls "
+        "are not counted). It bounds what the gateway holds for an execution (its agents' contexts, the "
+        "recorder's prefix index); a call that would pass it gets 400 (code execution_limit_exceeded)",
+    )
     max_tokens_cap: int = Field(
         32_768, ge=1, description="a request's max_tokens (or max_completion_tokens) is clamped to this"
     )
@@ -82,6 +111,13 @@ class GatewayConfig(BaseModel):
         gt=0,
         description="most seconds one engine call may take; None = as long as the generation takes "
         "(an agent's call can legitimately decode for minutes)",
+    )
+    tokenizer_threads: int = Field(
+        2,
+        ge=1,
+        description="threads that render and tokenize large prompts (above 32K characters) off the event "
+        "loop, so /health and other executions' calls keep being served; at most this many large prompts "
+        "are tokenized at once (the others wait), which also bounds the memory tokenization takes",
     )
     fidelity_window_calls: int = Field(
         32,

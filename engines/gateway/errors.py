@@ -21,6 +21,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "server_error",

@@ -3,7 +3,7 @@ vLLM does) and the response / stream-chunk builders.
 
     ChatCompletionRequest   POST .../v1/chat/completions
     CompletionRequest       POST .../v1/completions (prompt: text or token ids, one prompt per request)
-    RegisterExecution, FinishExecution, AddEngine   admin bodies
+    RegisterExecution, FinishExecution, AddEngine   admin bodies; check_reward (finite, in REWARD_RANGE)
 
 Supported: messages (system, developer = system, user, assistant with tool_calls, tool), tools,
 tool_choice ("none" turns tool-call parsing off; "auto", "required" and a named function parse tool
@@ -16,6 +16,7 @@ Gyre extensions (header or extra_body): X-Gyre-Role / gyre_role, X-Gyre-Agent / 
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
@@ -119,6 +120,25 @@ class ChatCompletionRequest(SamplingFields):
     def tools_on(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def prompt_chars(self) -> int:
+        """Characters the chat template will render from this request, give or take its own markup:
+        message contents, names, tool-call arguments, and the tools' JSON. Cheap (no rendering), so a
+        huge request is refused before anything is tokenized."""
+        total = len(orjson.dumps(self.tools)) if self.tools else 0
+        for message in self.messages:
+            content = message.content
+            if isinstance(content, str):
+                total += len(content)
+            elif content:
+                total += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+            total += len(message.name or "") + len(message.tool_call_id or "")
+            for call in message.tool_calls or ():
+                arguments = call.function.arguments
+                total += len(call.function.name) + (
+                    len(arguments) if isinstance(arguments, str) else len(orjson.dumps(arguments))
+                )
+        return total
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -147,9 +167,27 @@ class RegisterExecution(_Lenient):
 
 class FinishExecution(_Lenient):
     status: Literal["completed", "timeout", "error", "eval_failed"]
-    reward: float | None = None
+    reward: float | None = Field(
+        None, description="in REWARD_RANGE and finite (check_reward); None when there is none (eval_failed)"
+    )
     reward_source: Literal["final", "workspace_snapshot", "placeholder"] | None = None
     snapshot_uri: str | None = None
+
+
+REWARD_RANGE = (0.0, 1.0)  # the graders give passed / total
+
+
+def check_reward(reward: float | None) -> None:
+    """422 unless ``reward`` is None or a finite number in REWARD_RANGE."""
+    low, high = REWARD_RANGE
+    if reward is not None and not (math.isfinite(reward) and low <= reward <= high):
+        raise GatewayError(
+            422,
+            f"reward {reward!r} is not a finite number in [{low:g}, {high:g}]: a reward is the share of "
+            "the problem's checks that passed (passed / total)",
+            param="reward",
+            code="invalid_reward",
+        )
 
 
 class AddEngine(_Lenient):

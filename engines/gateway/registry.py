@@ -42,6 +42,7 @@ class Execution:
     started_at: float = field(default_factory=time.time)
     agents: dict[str, Agent] = field(default_factory=dict)
     calls: int = 0
+    taken_tokens: int = 0  # ids tokenized or generated for its calls (LimitsConfig.max_execution_tokens)
 
 
 class Registry:

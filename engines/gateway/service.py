@@ -15,6 +15,13 @@ exactly as generated (stop token included), raw logprobs, policy version, engine
 migrated flag, wall-clock start and end. A recording error is quarantined by the recorder, logged and
 counted (stats.record_errors); the harness still gets its answer.
 
+Hostile input (LimitsConfig): a prompt is measured in characters before anything is tokenized
+(max_prompt_chars), then in tokens (max_prompt_tokens); a prompt above 32K characters is rendered and
+tokenized on a tokenizer thread (GatewayConfig.tokenizer_threads) with the GIL released, so /health and
+other executions keep being served meanwhile. An execution may make max_calls_per_execution calls, open
+max_agents_per_execution agents and take in max_execution_tokens new ids; past any of them its calls get
+400 execution_limit_exceeded. A finish's reward must be finite and in [0, 1] (422 otherwise).
+
 Recording runs on ONE dedicated thread (a FIFO executor): the gateway numbers an execution's calls
 itself (call_id, returned in the response's ``gyre`` field), hands each record to that thread as
 soon as the handler has sent its answer (loop.call_soon) and never waits for it, so the recorder's validation, hashing and prefix-index work stay
@@ -52,6 +59,7 @@ from engines.gateway.protocol import (
     RegisterExecution,
     SamplingFields,
     chat_completion,
+    check_reward,
 )
 from engines.gateway.registry import Agent, Execution, Registry
 from engines.gateway.router import EngineResult, Router
@@ -60,6 +68,7 @@ from trajectory_store.schema import ROLES, RecordError
 from trajectory_store.storage import Store
 
 logger = logging.getLogger(__name__)
+_INLINE_CHARS = 32_768  # prompts up to this size are tokenized on the event loop (well under a millisecond)
 
 
 @dataclass
@@ -106,6 +115,9 @@ class Gateway:
         self.overhead_ms: deque[float] = deque(maxlen=config.overhead_samples)
         self._flush_task: asyncio.Task | None = None
         self._recording = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-recorder")
+        self._tokenizing = ThreadPoolExecutor(
+            max_workers=config.tokenizer_threads, thread_name_prefix="gyre-tokenizer"
+        )
         # response, request and tool-call ids: a random prefix per gateway + a counter (uuid4 would cost
         # a getrandom syscall per id on the hot path)
         self._id_prefix = secrets.token_hex(6)
@@ -124,6 +136,7 @@ class Gateway:
                 await self._flush_task
         await self.flush()
         self._recording.shutdown(wait=True)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         for engine in self.router.engines.values():
             await engine.close()
 
@@ -197,6 +210,7 @@ class Gateway:
         }
 
     async def finish_execution(self, execution_id: str, body: FinishExecution) -> dict[str, Any]:
+        check_reward(body.reward)  # before anything changes: a refused finish leaves the execution live
         execution = self.registry.finish(execution_id, body.status)
         recorder = self.recorder(execution.step)
         fields = dict(
@@ -253,6 +267,16 @@ class Gateway:
     def agent(self, execution: Execution, agent_id: str) -> Agent:
         agent = execution.agents.get(agent_id)
         if agent is None:
+            most = self.config.limits.max_agents_per_execution
+            if len(execution.agents) >= most:
+                raise GatewayError(
+                    400,
+                    f"execution {execution.execution_id} already has {len(execution.agents)} agents, the most "
+                    f"one execution may open here (limits.max_agents_per_execution = {most}); "
+                    f"agent {agent_id!r} was not opened",
+                    param="agent_id",
+                    code="execution_limit_exceeded",
+                )
             route = self.router.route(f"{execution.execution_id}/{agent_id}")
             context = SessionContext(self.codec, self.config.fidelity_window_calls)
             agent = execution.agents[agent_id] = Agent(agent_id, context, route)
@@ -269,11 +293,14 @@ class Gateway:
                 "top_logprobs is not supported (logprobs=true gives the chosen tokens')",
                 param="top_logprobs",
             )
+        chars = request.prompt_chars()
+        self._check_prompt_chars(chars, "messages")
+        self._check_execution(execution)
         agent = self.agent(execution, agent_id)
         messages = [m.template_dict() for m in request.messages]
         tools_on = request.tools_on()
         async with agent.route.lock:
-            plan = agent.context.plan(messages, request.tools)
+            plan = await self._tokenize(chars, agent.context.plan, messages, request.tools)
             outcome = await self._call(execution, agent, role, plan.prompt_ids, request, plan.reused_tokens)
             content, calls = self.codec.parse_text(outcome.visible_text, tools_on=tools_on)
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -319,9 +346,12 @@ class Gateway:
         if request.echo or (request.best_of or 1) > 1:
             raise GatewayError(400, "echo and best_of > 1 are not supported", param="echo")
         prompt = request.single_prompt()
+        self._check_execution(execution)
         if isinstance(prompt, str):
-            prompt_ids = self.codec.encode(prompt)
+            self._check_prompt_chars(len(prompt), "prompt")
+            prompt_ids = await self._tokenize(len(prompt), self.codec.encode, prompt)
         else:
+            self._check_prompt_tokens(len(prompt), "prompt")  # before scanning a huge list
             prompt_ids = list(prompt)
             vocab = self.codec.vocab_size
             if not all(isinstance(i, int) and 0 <= i < vocab for i in prompt_ids):
@@ -366,13 +396,15 @@ class Gateway:
         known_tokens: int,
     ) -> CallOutcome:
         limits = self.config.limits
-        if len(prompt_ids) > limits.max_prompt_tokens:
+        self._check_prompt_tokens(len(prompt_ids), "messages")
+        new_tokens = len(prompt_ids) - known_tokens
+        if execution.taken_tokens + new_tokens > limits.max_execution_tokens:
             raise GatewayError(
                 400,
-                f"the prompt has {len(prompt_ids)} tokens, above this gateway's limit of "
-                f"{limits.max_prompt_tokens}: compress the context (a summary call) or start a new one",
-                param="messages",
-                code="context_length_exceeded",
+                f"execution {execution.execution_id} has taken {execution.taken_tokens} tokens and this "
+                f"call adds {new_tokens}, above the most one execution may take here "
+                f"(limits.max_execution_tokens = {limits.max_execution_tokens}): finish it and start a new one",
+                code="execution_limit_exceeded",
             )
         max_tokens = min(request.requested_max_tokens() or limits.default_max_tokens, limits.max_tokens_cap)
         stop_strings = request.stop_strings()
@@ -444,6 +476,7 @@ class Gateway:
         # never competes with building and sending the answer; FIFO order is unchanged
         asyncio.get_running_loop().call_soon(self._submit_record, recorder, record_args, record)
         execution.calls += 1
+        execution.taken_tokens += new_tokens + len(output_ids)
         agent.calls += 1
         agent.last_sequence = prompt_ids + output_ids
         self.stats.calls += 1
@@ -451,6 +484,56 @@ class Gateway:
         self.stats.output_tokens += len(output_ids)
         self.stats.migrated_calls += migrated
         return CallOutcome(output_ids, logprobs, text, finish, engine_id, version, call_id, result)
+
+    # limits -----------------------------------------------------------------------------------------
+    async def _tokenize(self, chars: int, work: Callable[..., Any], *args: Any) -> Any:
+        """Runs ``work`` (a context plan, an encode) on a tokenizer thread when the prompt is large, so the
+        event loop keeps serving; small prompts stay inline (a thread hop costs more than they do)."""
+        if chars <= _INLINE_CHARS:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work, *args)
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        most = self.config.limits.max_prompt_chars
+        if chars > most:
+            raise GatewayError(
+                400,
+                f"the prompt holds {chars} characters, above this gateway's limit of {most} "
+                "(limits.max_prompt_chars); it was refused before tokenization: compress the context "
+                "(a summary call) or start a new one",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _check_prompt_tokens(self, tokens: int, param: str) -> None:
+        most = self.config.limits.max_prompt_tokens
+        if tokens > most:
+            raise GatewayError(
+                400,
+                f"the prompt has {tokens} tokens, above this gateway's limit of {most} "
+                "(limits.max_prompt_tokens): compress the context (a summary call) or start a new one",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _check_execution(self, execution: Execution) -> None:
+        limits = self.config.limits
+        if execution.calls >= limits.max_calls_per_execution:
+            raise GatewayError(
+                400,
+                f"execution {execution.execution_id} has made {execution.calls} calls, the most one execution "
+                f"may make here (limits.max_calls_per_execution = {limits.max_calls_per_execution}): "
+                "finish it and start a new one",
+                code="execution_limit_exceeded",
+            )
+        if execution.taken_tokens >= limits.max_execution_tokens:
+            raise GatewayError(
+                400,
+                f"execution {execution.execution_id} has taken {execution.taken_tokens} tokens, the most one "
+                f"execution may take here (limits.max_execution_tokens = {limits.max_execution_tokens}): "
+                "finish it and start a new one",
+                code="execution_limit_exceeded",
+            )
 
     def _submit_record(self, recorder: Recorder, args: tuple, fields: dict[str, Any]) -> None:
         self._recording.submit(recorder.record_call, *args, **fields).add_done_callback(self._recorded)
