@@ -56,16 +56,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
+from bench.train import best_times, workload
 from engines.rollout.config import EngineConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.messages import GenerateRequest, SamplingParams
 from engines.rollout.migration import ShmHandle, ShmTransport, TorchIpcHandle, TorchIpcTransport
 from engines.train.config import LossConfig, TrainerConfig
-from engines.train.loss import policy_loss
-from engines.train.tree import path_logprobs, target_logprobs
+from engines.train.reference import (
+    PathJob,
+    clear_grads,
+    compare,
+    near_policy_behaviour,
+    per_path_backward,
+    per_path_jobs,
+    tree_backward,
+)
 from engines.train.worker import GradWorker
 from trajectory_store.processor import PackedBatch, PackedSequence
 
@@ -208,22 +215,6 @@ def _peak_gb(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
 
 
-def _targets(array: np.ndarray, targets: np.ndarray, device) -> torch.Tensor:
-    return torch.as_tensor(array[targets], dtype=torch.float32, device=device)
-
-
-def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-    )
-
-
-def _clear_grads(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
-
-
 def _model_key(preset: str) -> str:
     """Names a built model folder by what makes it: the preset, engines/model's code, transformers."""
     import transformers
@@ -278,7 +269,7 @@ class Run:
         self.out, self.copy_to, self.models_dir = out, copy_to, models_dir
         self.folders: dict[str, str] = {}
         self._batch: PackedBatch | None = None
-        self._jobs: list | None = None
+        self._jobs: list[PathJob] | None = None
         self._workdir = tempfile.mkdtemp(prefix="gyre-gpu-")
         self.report: dict[str, Any] = {
             "benchmark": "gpu_check",
@@ -348,9 +339,7 @@ class Run:
     def batch(self) -> PackedBatch:
         """bench/train.py's packed branched batch (token ids < 4096: valid for every preset)."""
         if self._batch is None:
-            from bench.train import _workload
-
-            self._batch, naive = _workload(os.path.join(self._workdir, "data"), 4096, self.plan.train_size)
+            self._batch, naive = workload(os.path.join(self._workdir, "data"), 4096, self.plan.train_size)
             if self.plan.train_sequences is not None:  # a smaller batch: its counts follow
                 kept = self._batch.sequences = self._batch.sequences[: self.plan.train_sequences]
                 self._batch.n_tokens = sum(len(s) for s in kept)
@@ -364,11 +353,9 @@ class Run:
             }
         return self._batch
 
-    def jobs(self) -> list[tuple[PackedSequence, np.ndarray, np.ndarray]]:
+    def jobs(self) -> list[PathJob]:
         if self._jobs is None:
-            from bench.train import _per_path_jobs
-
-            self._jobs = _per_path_jobs(self.batch())
+            self._jobs = per_path_jobs(self.batch().sequences)
         return self._jobs
 
     # sections
@@ -588,7 +575,7 @@ def section_train(run: Run, figures: dict, deadline: float) -> None:
         if model is None:
             continue
         if not perturbed:
-            _perturb(batch, model)
+            near_policy_behaviour(batch.sequences, model)
             perturbed = True
         result = _attempt(figures, preset, lambda model=model: _throughput(run, model))
         if result is not None:
@@ -604,93 +591,44 @@ def section_train(run: Run, figures: dict, deadline: float) -> None:
             figures["equality_fp32"] = equality
 
 
-def _perturb(batch: PackedBatch, model: torch.nn.Module) -> None:
-    """Behaviour logprobs near the current policy's (as after a real rollout), so ratios are near 1."""
-    rng = np.random.default_rng(0)
-    with torch.no_grad():
-        for sequence in batch.sequences:
-            out = target_logprobs(model, sequence)
-            noisy = out.logprobs.float().cpu().numpy() + rng.normal(0, 0.05, out.logprobs.numel())
-            behaviour = np.zeros(len(sequence), dtype=np.float32)
-            behaviour[out.targets.cpu().numpy()] = np.minimum(noisy, 0)
-            sequence.behaviour_logprobs = behaviour
-
-
-def _tree_backward(model: torch.nn.Module, sequences: list[PackedSequence], n_executions: int) -> None:
-    """Tree-packed fwd+bwd of every sequence; gradients accumulate in the parameters (on the device)."""
-    config = LossConfig()
-    for sequence in sequences:
-        out = target_logprobs(model, sequence)
-        targets = out.targets.cpu().numpy()
-        device = out.logprobs.device
-        terms = policy_loss(
-            out.logprobs,
-            _targets(sequence.behaviour_logprobs, targets, device),
-            _targets(sequence.advantages, targets, device),
-            _targets(sequence.weights, targets, device),
-            n_executions,
-            config,
-            entropy=out.entropy,
-        )
-        terms.loss.backward()
-
-
-def _path_backward(model: torch.nn.Module, jobs, n_executions: int) -> None:
-    """Per-path fwd+bwd: one causal forward/backward per trajectory, each target counted once."""
-    config = LossConfig()
-    device = next(model.parameters()).device
-    for sequence, path, targets in jobs:
-        positions = torch.as_tensor(np.searchsorted(path, targets) - 1, device=device)
-        logprobs = path_logprobs(model, sequence.token_ids[path])[positions]
-        terms = policy_loss(
-            logprobs,
-            _targets(sequence.behaviour_logprobs, targets, device),
-            _targets(sequence.advantages, targets, device),
-            _targets(sequence.weights, targets, device),
-            n_executions,
-            config,
-        )
-        terms.loss.backward()
-
-
 def _throughput(run: Run, model: torch.nn.Module) -> dict[str, Any]:
     batch, jobs, device = run.batch(), run.jobs(), run.device
-    n_executions = len(batch.advantages)
+    n_executions, config = len(batch.advantages), LossConfig()
     model.train()
+
+    def tree(sequences: list[PackedSequence] = batch.sequences) -> None:
+        tree_backward(model, sequences, n_executions, config)
+        clear_grads(model)
+
+    def per_path(jobs: list[PathJob] = jobs) -> None:
+        per_path_backward(model, jobs, n_executions, config)
+        clear_grads(model)
+
     if device.type == "cuda":  # warm-up: kernels, cuBLAS handles, the caching allocator
-        _tree_backward(model, batch.sequences[:1], n_executions)
-        _path_backward(model, jobs[:1], n_executions)
-        _clear_grads(model)
-    tree_s, path_s = [], []
-    for _ in range(run.plan.train_repeats):  # interleaved, best of each
-        started = _clock(device)
-        _tree_backward(model, batch.sequences, n_executions)
-        tree_s.append(_clock(device) - started)
-        _clear_grads(model)
-        started = _clock(device)
-        _path_backward(model, jobs, n_executions)
-        path_s.append(_clock(device) - started)
-        _clear_grads(model)
-    worker = GradWorker(model, LossConfig())
+        tree(batch.sequences[:1])
+        per_path(jobs[:1])
+    best, _ = best_times({"tree": tree, "per_path": per_path}, run.plan.train_repeats, lambda: _clock(device))
+    worker = GradWorker(model, config)
     started = _clock(device)
     for index, sequence in enumerate(batch.sequences):
         worker.accumulate(sequence, n_executions, index, 0)
     worker_s = _clock(device) - started
-    _clear_grads(model)
+    clear_grads(model)
     del worker
     targets = batch.n_target_tokens
-    path_tokens = sum(len(path) for _, path, _ in jobs)
+    path_tokens = sum(len(job.path) for job in jobs)
+    tree_s, path_s = best["tree"], best["per_path"]
     return {
-        "tree_s": round(min(tree_s), 4),
-        "per_path_s": round(min(path_s), 4),
-        "tree_target_tokens_per_s": round(targets / min(tree_s), 1),
-        "per_path_target_tokens_per_s": round(targets / min(path_s), 1),
-        "tree_tokens_per_s": round(batch.n_tokens / min(tree_s), 1),
-        "per_path_tokens_per_s": round(path_tokens / min(path_s), 1),
-        "tree_over_path_speedup": round(min(path_s) / min(tree_s), 2),
+        "tree_s": round(tree_s, 4),
+        "per_path_s": round(path_s, 4),
+        "tree_target_tokens_per_s": round(targets / tree_s, 1),
+        "per_path_target_tokens_per_s": round(targets / path_s, 1),
+        "tree_tokens_per_s": round(batch.n_tokens / tree_s, 1),
+        "per_path_tokens_per_s": round(path_tokens / path_s, 1),
+        "tree_over_path_speedup": round(path_s / tree_s, 2),
         "naive_over_unique_tokens": round(path_tokens / batch.n_tokens, 2),
         "grad_worker_s": round(worker_s, 4),
-        "grad_worker_over_tree": round(worker_s / min(tree_s), 2),
+        "grad_worker_over_tree": round(worker_s / tree_s, 2),
         "grad_worker_note": "GradWorker = tree fwd+bwd + adding every parameter's gradient into its CPU fp32 buffer",
     }
 
@@ -698,33 +636,17 @@ def _throughput(run: Run, model: torch.nn.Module) -> dict[str, Any]:
 def _equality(run: Run, preset: str) -> dict[str, Any]:
     """fp32, one packed sequence: tree-packed vs per-path logprobs, and GradWorker's gradient vs per-path."""
     batch = run.batch()
-    paths = {id(s): sum(job[0] is s for job in run.jobs()) for s in batch.sequences}
+    paths = {id(s): sum(job.sequence is s for job in run.jobs()) for s in batch.sequences}
     sequence = max(batch.sequences, key=lambda s: (paths[id(s)], -len(s)))  # the most branched
-    jobs = [job for job in run.jobs() if job[0] is sequence]
-    n_executions = len(batch.advantages)
-    model = run.load(preset, "float32")
-    worst = 0.0
-    with torch.no_grad():
-        tree = target_logprobs(model, sequence)
-        by_index = dict(zip(tree.targets.tolist(), tree.logprobs.tolist(), strict=True))
-        for _, path, targets in jobs:
-            reference = path_logprobs(model, sequence.token_ids[path]).tolist()
-            for target in targets.tolist():
-                worst = max(worst, abs(by_index[target] - reference[int(np.searchsorted(path, target)) - 1]))
-    worker = GradWorker(model, LossConfig())
-    worker.accumulate(sequence, n_executions, 0, 0)
-    _clear_grads(model)
-    model.train()
-    _path_backward(model, jobs, n_executions)
-    reference = _flat_grad(model).cpu()
+    agreement = compare(run.load(preset, "float32"), [sequence], len(batch.advantages))
     return {
         "preset": preset,
         "sequence_tokens": len(sequence),
         "targets": int(sequence.loss_mask.sum()),
-        "paths": len(jobs),
-        "max_abs_logprob_diff": worst,
-        "grad_rel_diff": float((worker.grad - reference).norm() / reference.norm()),
-        "reference_grad_norm": float(reference.norm()),
+        "paths": agreement.paths,
+        "max_abs_logprob_diff": agreement.max_abs_logprob_diff,
+        "grad_rel_diff": agreement.grad_rel_diff,
+        "reference_grad_norm": agreement.reference_grad_norm,
         "tolerance_note": "DESIGN.md 5: equal within fp32 tolerance (1e-5 relative)",
     }
 

@@ -39,25 +39,32 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 
 from engines.train.config import LossConfig, TrainerConfig
 from engines.train.core import CoreTrainer, load_weights
 from engines.train.elastic import ElasticCoordinator
-from engines.train.loss import policy_loss
+from engines.train.reference import (
+    clear_grads,
+    compare,
+    flat_grad,
+    near_policy_behaviour,
+    per_path_backward,
+    per_path_jobs,
+    tree_backward,
+)
 from engines.train.satellite import load_policy_model, satellite_main
-from engines.train.tree import path_logprobs, target_logprobs
 from engines.train.tree_attention import build_plan
 from engines.train.worker import GradWorker
 from trajectory_store import synth
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
-from trajectory_store.processor import PackedBatch, PackedSequence, batch_to_table, pack
+from trajectory_store.processor import PackedBatch, batch_to_table, pack
 from trajectory_store.recorder import Recorder
 from trajectory_store.storage import Store, StoreConfig
 
@@ -80,7 +87,7 @@ P_RETRY = 0.15  # the paper-shaped workload
 P_RETRY_BRANCHED = 0.5  # the branched section
 
 
-def _workload(
+def workload(
     root: str, vocab: int, size: dict[str, Any], p_retry: float = P_RETRY
 ) -> tuple[PackedBatch, float]:
     """A branched, paper-shaped batch (compression, sub-agents, retries) recorded, selected, packed."""
@@ -117,108 +124,24 @@ def _workload(
     return pack(con, PackingConfig(token_budget=budget, advantage="grpo")), float(naive)
 
 
-def _perturb(batch: PackedBatch, model: torch.nn.Module) -> None:
-    """Behaviour logprobs near the current policy's (as after a real rollout), so ratios are near 1."""
-    rng = np.random.default_rng(0)
-    with torch.no_grad():
-        for sequence in batch.sequences:
-            out = target_logprobs(model, sequence)
-            noisy = out.logprobs.numpy() + rng.normal(0, 0.05, out.logprobs.numel()).astype(np.float32)
-            behaviour = np.zeros(len(sequence), dtype=np.float32)
-            behaviour[out.targets.numpy()] = np.minimum(noisy, 0)
-            sequence.behaviour_logprobs = behaviour
-
-
-def _path(sequence: PackedSequence, index: int) -> np.ndarray:
-    path = []
-    while index >= 0:
-        path.append(index)
-        index = int(sequence.parent_index[index])
-    return np.array(path[::-1])
-
-
-def _per_path_jobs(batch: PackedBatch) -> list[tuple[PackedSequence, np.ndarray, np.ndarray]]:
-    """(sequence, path indices, target indices on that path): every selected trajectory's path, each
-    target on the first path holding it. A split tree can leave targets whose leaves went to the
-    next sequence: they get the path to the deepest of them."""
-    jobs = []
-    for sequence in batch.sequences:
-        taken = np.zeros(len(sequence), dtype=bool)
-        ends = [leaf for _, _, leaf in sequence.leaves]
-        while True:
-            for end in ends:
-                path = _path(sequence, end)
-                mine = path[sequence.loss_mask[path] & ~taken[path]]
-                taken[mine] = True
-                jobs.append((sequence, path, mine))
-            left = np.flatnonzero(sequence.loss_mask & ~taken)
-            if not left.size:
-                break
-            ends = [int(left[np.argmax(sequence.position_ids[left])])]
-    return jobs
-
-
-def _logprobs_at_targets(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-    """log p(tokens[k] | tokens[:k]) for k in positions, the output projection at those k - 1 only."""
-    input_ids = torch.as_tensor(tokens, dtype=torch.long)[None]
-    hidden = model.base_model(input_ids=input_ids).last_hidden_state[0, torch.as_tensor(positions - 1)]
-    log_probs = torch.log_softmax(model.get_output_embeddings()(hidden).float(), -1)
-    return log_probs.gather(1, input_ids[0, torch.as_tensor(positions), None])[:, 0]
-
-
-def _per_path_step(
-    model: torch.nn.Module, jobs, n_executions: int, config: LossConfig, lean: bool = False
-) -> torch.Tensor:
-    """Naive training: one causal forward/backward per trajectory; returns the flat gradient. The
-    logits of every path position, as an HF forward gives them, or (``lean``) of the targets only."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    for sequence, path, targets in jobs:
-        positions = np.searchsorted(path, targets)  # where each target sits on the path (path is sorted)
-        if lean:
-            logprobs = _logprobs_at_targets(model, sequence.token_ids[path], positions)
-        else:
-            logprobs = path_logprobs(model, sequence.token_ids[path])[positions - 1]
-
-        def at(array: np.ndarray, targets: np.ndarray = targets) -> torch.Tensor:
-            return torch.as_tensor(array[targets], dtype=torch.float32)
-
-        terms = policy_loss(
-            logprobs,
-            at(sequence.behaviour_logprobs),
-            at(sequence.advantages),
-            at(sequence.weights),
-            n_executions,
-            config,
-        )
-        terms.loss.backward()
-    return torch.cat([p.grad.reshape(-1) for p in params])
-
-
-def _tree_step(model: torch.nn.Module, batch: PackedBatch, config: LossConfig, kernel: str) -> torch.Tensor:
-    """GradWorker.accumulate's loss and backward for every sequence, with the given attention kernel."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    for sequence in batch.sequences:
-        out = target_logprobs(model, sequence, kernel=kernel)
-        targets = out.targets.numpy()
-
-        def at(array: np.ndarray, targets: np.ndarray = targets) -> torch.Tensor:
-            return torch.as_tensor(array[targets], dtype=torch.float32)
-
-        terms = policy_loss(
-            out.logprobs,
-            at(sequence.behaviour_logprobs),
-            at(sequence.advantages),
-            at(sequence.weights),
-            len(batch.advantages),
-            config,
-            entropy=out.entropy,
-        )
-        terms.loss.backward()
-    return torch.cat([p.grad.reshape(-1) for p in params])
+def best_times(
+    steps: dict[str, Callable[[], Any]],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+    at_most: dict[str, int] | None = None,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Runs the steps in turn for ``repeats`` rounds (a step named in ``at_most`` in that many rounds at
+    most): interleaved, because the machine is shared. The best seconds of each, and its last result."""
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    results: dict[str, Any] = {}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            if len(seconds[name]) >= (at_most or {}).get(name, repeats):
+                continue
+            started = clock()
+            results[name] = step()
+            seconds[name].append(clock() - started)
+    return {name: min(times) for name, times in seconds.items() if times}, results
 
 
 def _attention_pairs(batch: PackedBatch) -> dict[str, int]:
@@ -229,89 +152,79 @@ def _attention_pairs(batch: PackedBatch) -> dict[str, int]:
         "allowed": sum(plan.allowed_pairs for plan in plans),
         "blocks": sum(plan.computed_pairs for plan in plans),
         "dense": sum(len(sequence) ** 2 for sequence in batch.sequences),
-        "per_path": sum(len(path) * (len(path) + 1) // 2 for _, path, _ in _per_path_jobs(batch)),
+        "per_path": sum(len(job.path) * (len(job.path) + 1) // 2 for job in per_path_jobs(batch.sequences)),
     }
 
 
 def _equality(model_dir: str, batch: PackedBatch) -> dict[str, float]:
-    model = load_policy_model(model_dir).eval()
-    jobs = _per_path_jobs(batch)
-    worst = 0.0
-    with torch.no_grad():
-        trees = {id(sequence): target_logprobs(model, sequence) for sequence in batch.sequences}
-        for sequence, path, targets in jobs:  # one forward per path gives every target on it
-            tree = trees[id(sequence)]
-            by_index = dict(zip(tree.targets.tolist(), tree.logprobs.tolist(), strict=True))
-            reference = path_logprobs(model, sequence.token_ids[path])
-            for target in targets.tolist():
-                position = int(np.searchsorted(path, target))
-                worst = max(worst, abs(by_index[target] - reference[position - 1].item()))
-    config = LossConfig()
-    worker = GradWorker(load_policy_model(model_dir), config)
-    for index, sequence in enumerate(batch.sequences):
-        worker.accumulate(sequence, len(batch.advantages), index, 0)
-    reference = _per_path_step(load_policy_model(model_dir), jobs, len(batch.advantages), config)
+    agreement = compare(load_policy_model(model_dir), batch.sequences, len(batch.advantages))
     return {
-        "tree_vs_path_max_abs_logprob_diff": worst,
-        "tree_vs_path_grad_rel_diff": float((worker.grad - reference).norm() / reference.norm()),
+        "tree_vs_path_max_abs_logprob_diff": agreement.max_abs_logprob_diff,
+        "tree_vs_path_grad_rel_diff": agreement.grad_rel_diff,
     }
 
 
 def _throughput(
     model_dir: str, batch: PackedBatch, repeats: int = 2, extra: bool = True, extra_repeats: int = 2
 ) -> dict[str, Any]:
-    """Tree-packed against per-path training; ``extra`` also times the dense-mask kernel and the lean
-    per-path baseline (``extra_repeats`` times: the quick run times them once)."""
+    """Tree-packed (GradWorker) against per-path training; ``extra`` also times the dense-mask kernel and
+    the lean per-path baseline (``extra_repeats`` times: the quick run times them once)."""
     config = LossConfig()
     n_executions = len(batch.advantages)
     worker = GradWorker(load_policy_model(model_dir), config)
     naive_model = load_policy_model(model_dir)
-    jobs = _per_path_jobs(batch)
-    tree_s, naive_s, dense_s, lean_s = [], [], [], []
-    for _ in range(repeats):  # interleaved, best of each: the machine is shared
+    jobs = per_path_jobs(batch.sequences)
+
+    def tree() -> torch.Tensor:
         worker.reset()
-        started = time.perf_counter()
         for index, sequence in enumerate(batch.sequences):
             worker.accumulate(sequence, n_executions, index, 0)
-        tree_s.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        naive_grad = _per_path_step(naive_model, jobs, n_executions, config)
-        naive_s.append(time.perf_counter() - started)
-        if extra and len(dense_s) < extra_repeats:
-            started = time.perf_counter()
-            dense_grad = _tree_step(naive_model, batch, config, "dense")
-            dense_s.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            lean_grad = _per_path_step(naive_model, jobs, n_executions, config, lean=True)
-            lean_s.append(time.perf_counter() - started)
+        return worker.grad
+
+    def per_path(lean: bool = False) -> torch.Tensor:
+        clear_grads(naive_model)
+        per_path_backward(naive_model, jobs, n_executions, config, lean=lean)
+        return flat_grad(naive_model)
+
+    def dense() -> torch.Tensor:
+        clear_grads(naive_model)
+        tree_backward(naive_model, batch.sequences, n_executions, config, kernel="dense")
+        return flat_grad(naive_model)
+
+    steps: dict[str, Callable[[], torch.Tensor]] = {"tree": tree, "per_path": per_path}
+    if extra:
+        steps.update(dense=dense, lean=lambda: per_path(lean=True))
+    best, grads = best_times(steps, repeats, at_most={"dense": extra_repeats, "lean": extra_repeats})
     targets = batch.n_target_tokens
-    naive_tokens = sum(len(path) for _, path, _ in jobs)
-    speedup = min(naive_s) / min(tree_s)
+    naive_tokens = sum(len(job.path) for job in jobs)
+    speedup = best["per_path"] / best["tree"]
     limit = naive_tokens / batch.n_tokens
     figures: dict[str, Any] = {
-        "tree_s": min(tree_s),
-        "per_path_s": min(naive_s),
-        "tree_tokens_per_s": targets / min(tree_s),
-        "per_path_tokens_per_s": targets / min(naive_s),
+        "tree_s": best["tree"],
+        "per_path_s": best["per_path"],
+        "tree_tokens_per_s": targets / best["tree"],
+        "per_path_tokens_per_s": targets / best["per_path"],
         "tree_over_path_speedup": speedup,
         "naive_over_unique_tokens": limit,
         "tree_efficiency": speedup / limit,
         "tree_tokens": batch.n_tokens,
         "per_path_tokens": naive_tokens,
         "target_tokens": targets,
-        "tree_vs_path_grad_rel_diff_at_speed": float((worker.grad - naive_grad).norm() / naive_grad.norm()),
+        "tree_vs_path_grad_rel_diff_at_speed": float(
+            (worker.grad - grads["per_path"]).norm() / grads["per_path"].norm()
+        ),
         "attention_pairs": _attention_pairs(batch),
     }
     if extra:
-        figures["tree_dense_kernel_s"] = min(dense_s)
-        figures["dense_kernel_over_path_speedup"] = min(naive_s) / min(dense_s)
-        figures["blocks_over_dense_kernel_speedup"] = min(dense_s) / min(tree_s)
-        figures["per_path_lean_s"] = min(lean_s)
-        figures["tree_over_lean_path_speedup"] = min(lean_s) / min(tree_s)
-        figures["tree_efficiency_lean"] = min(lean_s) / min(tree_s) / limit
-        for name, grad in (("dense", dense_grad), ("lean_path", lean_grad)):
+        figures["tree_dense_kernel_s"] = best["dense"]
+        figures["dense_kernel_over_path_speedup"] = best["per_path"] / best["dense"]
+        figures["blocks_over_dense_kernel_speedup"] = best["dense"] / best["tree"]
+        figures["per_path_lean_s"] = best["lean"]
+        figures["tree_over_lean_path_speedup"] = best["lean"] / best["tree"]
+        figures["tree_efficiency_lean"] = best["lean"] / best["tree"] / limit
+        for name, key in (("dense", "dense"), ("lean_path", "lean")):
             figures[f"{name}_vs_tree_grad_rel_diff"] = float(
-                (grad.double() - worker.grad).norm() / worker.grad.norm()
+                (grads[key].double() - worker.grad).norm() / worker.grad.norm()
             )
     return figures
 
@@ -328,8 +241,8 @@ def _batch_figures(batch: PackedBatch) -> dict[str, int]:
 
 def _branched(model_dir: str, root: str, vocab: int, size: dict[str, Any], repeats: int) -> dict[str, Any]:
     """The throughput section on a workload whose calls are retried far more often."""
-    batch, naive_selected = _workload(root, vocab, size, p_retry=P_RETRY_BRANCHED)
-    _perturb(batch, load_policy_model(model_dir).eval())
+    batch, naive_selected = workload(root, vocab, size, p_retry=P_RETRY_BRANCHED)
+    near_policy_behaviour(batch.sequences, load_policy_model(model_dir))
     figures: dict[str, Any] = {"p_retry": P_RETRY_BRANCHED, "batch": _batch_figures(batch)}
     figures.update(_throughput(model_dir, batch, repeats=repeats, extra=False))
     figures["selected_trajectory_tokens"] = naive_selected
@@ -407,8 +320,8 @@ def run(quick: bool) -> dict[str, Any]:
         model_dir = os.path.join(workdir, "policy")
         vocab = _model_folder(size["preset"], model_dir)
         # token ids the tiny model (the equality check) and the measured model both have
-        batch, naive_selected = _workload(os.path.join(workdir, "data"), min(vocab, 4096), size)
-        _perturb(batch, load_policy_model(model_dir).eval())
+        batch, naive_selected = workload(os.path.join(workdir, "data"), min(vocab, 4096), size)
+        near_policy_behaviour(batch.sequences, load_policy_model(model_dir))
         tiny_dir = model_dir
         if size["preset"] != "tiny":  # the equality check runs on the tiny model, whatever the run
             tiny_dir = os.path.join(workdir, "tiny")

@@ -10,6 +10,14 @@ from hypothesis import strategies as st
 
 from engines.train.config import LossConfig
 from engines.train.loss import policy_loss
+from engines.train.reference import (
+    compare,
+    flat_grad,
+    near_policy_behaviour,
+    path_indices,
+    per_path_backward,
+    per_path_jobs,
+)
 from engines.train.tree import attention_bias, check_attention_setup, path_logprobs, target_logprobs
 from engines.train.worker import GradWorker
 from tests.train_fixtures import packed_batch, perturb_behaviour, tiny_model
@@ -17,14 +25,6 @@ from tests.train_fixtures import packed_batch, perturb_behaviour, tiny_model
 SETTINGS = settings(
     max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-def path_to(sequence, index: int) -> np.ndarray:
-    path = []
-    while index >= 0:
-        path.append(index)
-        index = int(sequence.parent_index[index])
-    return np.array(path[::-1])
 
 
 @SETTINGS
@@ -38,7 +38,7 @@ def test_tree_logprobs_equal_per_path_evaluation(tmp_path_factory, seed, budget)
         for sequence in batch.sequences:
             tree = target_logprobs(model, sequence)
             for target, value in zip(tree.targets.tolist(), tree.logprobs.tolist(), strict=True):
-                path = path_to(sequence, target)
+                path = path_indices(sequence, target)
                 reference = path_logprobs(model, sequence.token_ids[path])[-1].item()
                 worst = max(worst, abs(value - reference))
                 compared += 1
@@ -58,31 +58,38 @@ def test_tree_gradients_equal_per_path_training(tmp_path_factory, seed, budget):
     for index, sequence in enumerate(batch.sequences):
         worker.accumulate(sequence, n_executions, index, version=0)
 
-    # per-path: every target token evaluated on its own path, with the same weights
+    # per-path: every trajectory on its own causal forward, each target once, with the same weights
     path_model = tiny_model(1)
-    total = torch.zeros(())
-    for sequence in batch.sequences:
-        for target in np.flatnonzero(sequence.loss_mask):
-            path = path_to(sequence, target)
-            logprob = path_logprobs(path_model, sequence.token_ids[path])[-1:]
-
-            def at(array, target=target):
-                return torch.tensor([array[target]], dtype=torch.float32)
-
-            terms = policy_loss(
-                logprob,
-                at(sequence.behaviour_logprobs),
-                at(sequence.advantages),
-                at(sequence.weights),
-                n_executions,
-                config,
-            )
-            total = total + terms.loss
-    total.backward()
-    reference = torch.cat([p.grad.reshape(-1) for p in path_model.parameters() if p.requires_grad])
+    jobs = per_path_jobs(batch.sequences)
+    for sequence in batch.sequences:  # every target on exactly one path
+        mine = np.concatenate([job.targets for job in jobs if job.sequence is sequence])
+        assert sorted(mine.tolist()) == np.flatnonzero(sequence.loss_mask).tolist()
+    per_path_backward(path_model, jobs, n_executions, config)
+    reference = flat_grad(path_model)
     relative = (worker.grad - reference).norm() / reference.norm()
     assert reference.norm() > 0
     assert relative <= 1e-5
+
+
+def test_compare_agrees_on_a_real_batch_and_catches_wrong_depths(tmp_path):
+    """The benchmarks' comparison: exact agreement on a real batch; a tree forward given wrong
+    position ids (depths doubled) is reported as a miss in both logprobs and gradient."""
+    batch = packed_batch(str(tmp_path), seed=5)
+    model = tiny_model(3)
+    near_policy_behaviour(batch.sequences, model)
+    agreement = compare(model, batch.sequences, len(batch.advantages))
+    assert agreement.targets == batch.n_target_tokens > 0
+    assert agreement.paths >= len(batch.sequences)
+    assert agreement.max_abs_logprob_diff <= 1e-5 and agreement.grad_rel_diff <= 1e-5
+    assert agreement.reference_grad_norm > 0
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind
+    behaviour = [s.behaviour_logprobs[s.loss_mask] for s in batch.sequences]
+    assert all(np.all(b <= 0) for b in behaviour) and any(np.any(b < 0) for b in behaviour)
+
+    for sequence in batch.sequences:
+        sequence.position_ids = sequence.position_ids * 2
+    wrong = compare(model, batch.sequences, len(batch.advantages))
+    assert wrong.max_abs_logprob_diff > 1e-3 and wrong.grad_rel_diff > 1e-3
 
 
 def test_policy_loss_clips_and_averages_per_execution():

@@ -5,4 +5,5 @@ loss.py     PPO-style clipped objective, per-execution token averaging, step met
 worker.py   GradWorker: plain torch forward/backward on a copy of the weights (satellites, and the core)
 core.py     CoreTrainer: authoritative weights + optimizer in DeepSpeed, checkpoints, publishing
 elastic.py  one elastic data-parallel step: a micro-batch queue on a TCPStore, one gloo reduction
+reference.py per-path training, the reference tree-packed training is checked and timed against
 """

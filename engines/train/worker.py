@@ -15,9 +15,39 @@ import numpy as np
 import torch
 
 from engines.train.config import LossConfig
-from engines.train.loss import policy_loss
-from engines.train.tree import target_logprobs
+from engines.train.loss import LossTerms, policy_loss
+from engines.train.tree import Kernel, target_logprobs
 from trajectory_store.processor import PackedSequence
+
+
+def at_targets(array: np.ndarray, targets: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A per-token column of a packed sequence (behaviour logprobs, advantages, weights) at its
+    targets, as float32 on ``device``."""
+    return torch.as_tensor(array[targets], dtype=torch.float32, device=device)
+
+
+def sequence_loss(
+    model: torch.nn.Module,
+    sequence: PackedSequence,
+    n_executions: int,
+    config: LossConfig,
+    *,
+    kernel: Kernel = "blocks",
+) -> tuple[LossTerms, np.ndarray]:
+    """The policy loss of one packed sequence from one tree-packed forward, and its target indices."""
+    out = target_logprobs(model, sequence, kernel=kernel)
+    targets = out.targets.cpu().numpy()
+    device = out.logprobs.device
+    terms = policy_loss(
+        out.logprobs,
+        at_targets(sequence.behaviour_logprobs, targets, device),
+        at_targets(sequence.advantages, targets, device),
+        at_targets(sequence.weights, targets, device),
+        n_executions,
+        config,
+        entropy=out.entropy,
+    )
+    return terms, targets
 
 
 @dataclass
@@ -89,22 +119,7 @@ class GradWorker:
         self.model.train()
         for param in self.params:
             param.grad = None
-        out = target_logprobs(self.model, sequence)
-        targets = out.targets.cpu().numpy()
-        device = out.logprobs.device
-
-        def pick(array: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(array[targets], dtype=torch.float32, device=device)
-
-        terms = policy_loss(
-            out.logprobs,
-            pick(sequence.behaviour_logprobs),
-            pick(sequence.advantages),
-            pick(sequence.weights),
-            n_executions,
-            self.loss_config,
-            entropy=out.entropy,
-        )
+        terms, targets = sequence_loss(self.model, sequence, n_executions, self.loss_config)
         terms.loss.backward()
         offset = 0
         for param in self.params:
