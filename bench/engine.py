@@ -9,7 +9,7 @@ Model: the ``tiny`` preset (engines/model, 3M parameters, our tokenizer and chat
 weights, float32, on the CPU with ONE torch thread (on this shared 2-core host two threads were slower
 and far noisier); the figures compare systems on the same model, not the model. Read ratios, not seconds.
 
-1. Engine vs HF (engines/rollout/bench.py `bench_engine`): many sessions of an agent loop whose contexts
+1. Engine vs HF (bench/engine_workload.py `bench_engine`): many sessions of an agent loop whose contexts
    grow each turn (previous prompt + output + a 50-300-token tool result); all sessions' turns batched on
    our engine (prefix cache + continuous batching), then the very same prompts through HF
    ``model.generate`` one call at a time on the full context (what a simple harness would do), greedy,
@@ -48,6 +48,7 @@ import httpx
 import pyarrow.compute as pc
 import torch
 
+from bench.engine_workload import bench_engine, bench_migration
 from tasks.stack import free_port, serving_process
 
 DEFAULT_OUT = "bench/results/engine.json"
@@ -86,7 +87,6 @@ def run(quick: bool) -> dict[str, Any]:
     from engines.model.build import build_model, save_model_folder
     from engines.model.config import ModelConfig
     from engines.model.tokenizer import build_tokenizer
-    from engines.rollout.bench import bench_engine, bench_migration
 
     preset = PRESETS["quick" if quick else "full"]
     started = time.perf_counter()

@@ -58,6 +58,7 @@ from typing import Any, Literal
 
 import torch
 
+from bench.engine_workload import agent_turns, cache_figures, device_clock
 from bench.train import best_times, workload
 from engines.rollout.config import EngineConfig
 from engines.rollout.engine import RolloutEngine
@@ -178,17 +179,6 @@ def make_plan(cuda: bool, quick: bool) -> Plan:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _clock(device: torch.device) -> float:
-    """perf_counter after the device finished everything queued so far."""
-    _sync(device)
-    return time.perf_counter()
-
-
 def _load(folder: str, dtype: str, device: torch.device | str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -475,31 +465,14 @@ def _engine_workload(
     device: torch.device,
     seed: int = 0,
 ) -> dict[str, Any]:
-    rng = random.Random(seed + batch)
-    vocab = model.config.vocab_size
     longest = first_prompt_tokens[1] + turns * (max_tokens + tool_tokens[1]) + 8
     config = EngineConfig(
         max_batch_size=batch, max_model_len=longest, kv_budget_tokens=batch * longest, device=str(device)
     )
     engine = RolloutEngine(model, config)
-    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*first_prompt_tokens))] for _ in range(batch)]
-    turns_seen: list[tuple[list[list[int]], list[list[int]]]] = []  # per turn: (prompts, our outputs)
-    started = _clock(device)
-    for turn in range(turns):
-        requests = [
-            GenerateRequest(
-                request_id=f"s{s}-t{turn}", session_id=f"s{s}", prompt_ids=prompts[s], sampling=greedy
-            )
-            for s in range(batch)
-        ]
-        outputs = [out.output_ids for out in engine.generate(requests)]
-        turns_seen.append((prompts, outputs))
-        prompts = [
-            p + o + [rng.randrange(vocab) for _ in range(rng.randint(*tool_tokens))]
-            for p, o in zip(prompts, outputs, strict=True)
-        ]
-    ours_s = _clock(device) - started
+    turns_seen, ours_s = agent_turns(
+        engine, random.Random(seed + batch), batch, turns, max_tokens, first_prompt_tokens, tool_tokens
+    )
     stats = engine.stats
     del engine
     generated = sum(len(o) for _, outputs in turns_seen for o in outputs)
@@ -511,12 +484,7 @@ def _engine_workload(
         "generated_tokens": generated,
         "ours_s": round(ours_s, 3),
         "ours_tokens_per_s": round(generated / ours_s, 1),
-        "ours_prefilled_tokens": stats.prefilled_tokens,
-        "ours_cached_tokens": stats.cached_tokens,
-        "prefix_cache_hit_ratio": round(
-            stats.cached_tokens / max(1, stats.cached_tokens + stats.prefilled_tokens), 4
-        ),
-        "ours_max_running": stats.max_running,
+        **cache_figures(stats),
     }
     hf = _attempt(figures, "hf_generate", lambda: _hf_generate(model, turns_seen, batch, max_tokens, device))
     if hf is not None:
@@ -535,7 +503,7 @@ def _hf_generate(model, turns_seen, batch: int, max_tokens: int, device) -> tupl
     """HF generate on the prompts our engine saw: (seconds, outputs identical to ours, prefilled tokens)."""
     pad = model.generation_config.pad_token_id or 0
     agree, hf_prefilled = 0, 0
-    started = _clock(device)
+    started = device_clock(device)
     with torch.inference_mode():
         for turn_prompts, ours in turns_seen:
             width = max(len(p) for p in turn_prompts)
@@ -554,7 +522,7 @@ def _hf_generate(model, turns_seen, batch: int, max_tokens: int, device) -> tupl
             )
             agree += sum(row == mine for row, mine in zip(out[:, width:].tolist(), ours, strict=True))
             hf_prefilled += batch * width
-    return _clock(device) - started, agree, hf_prefilled
+    return device_clock(device) - started, agree, hf_prefilled
 
 
 # -- b. train -----------------------------------------------------------------------------------------
@@ -607,12 +575,14 @@ def _throughput(run: Run, model: torch.nn.Module) -> dict[str, Any]:
     if device.type == "cuda":  # warm-up: kernels, cuBLAS handles, the caching allocator
         tree(batch.sequences[:1])
         per_path(jobs[:1])
-    best, _ = best_times({"tree": tree, "per_path": per_path}, run.plan.train_repeats, lambda: _clock(device))
+    best, _ = best_times(
+        {"tree": tree, "per_path": per_path}, run.plan.train_repeats, lambda: device_clock(device)
+    )
     worker = GradWorker(model, config)
-    started = _clock(device)
+    started = device_clock(device)
     for index, sequence in enumerate(batch.sequences):
         worker.accumulate(sequence, n_executions, index, 0)
-    worker_s = _clock(device) - started
+    worker_s = device_clock(device) - started
     clear_grads(model)
     del worker
     targets = batch.n_target_tokens
@@ -737,14 +707,14 @@ def _deepspeed_steps(
         if step and time.monotonic() > deadline:
             figures["skipped"] = [f"steps from {step} on: the section's time ran out"]
             break
-        t0 = _clock(device)
+        t0 = device_clock(device)
         core.worker.reset()
         core.worker.accumulate(sequence, n_executions, 0, core.version)
-        t1 = _clock(device)
+        t1 = device_clock(device)
         norm = core.apply(core.worker.grad)
-        t2 = _clock(device)
+        t2 = device_clock(device)
         core.sync_worker()
-        t3 = _clock(device)
+        t3 = device_clock(device)
         timings.append(
             {
                 "micro_batch_s": t1 - t0,
@@ -795,26 +765,26 @@ def section_role_switch(run: Run, figures: dict, deadline: float) -> None:
         if cycle and time.monotonic() > deadline:
             figures.setdefault("skipped", []).append("warm cycle: the section's time ran out")
             break
-        t0 = _clock(device)
+        t0 = device_clock(device)
         engine.sleep()
-        t1 = _clock(device)
+        t1 = device_clock(device)
         worker.model.to(device)
-        t2 = _clock(device)
+        t2 = device_clock(device)
         worker.reset()
         worker.accumulate(sequence, n_executions, 0, cycle)
-        t3 = _clock(device)
+        t3 = device_clock(device)
         with torch.no_grad():  # the optimizer step (not timed): the trainer now holds NEW weights
             for param in worker.params:
                 if param.grad is not None:
                     param.add_(param.grad, alpha=-1e-3)
         version = cycle + 1
-        u0 = _clock(device)
+        u0 = device_clock(device)
         engine.wake(worker.model.state_dict(), version)
-        u1 = _clock(device)
+        u1 = device_clock(device)
         worker.model.zero_grad(set_to_none=True)
         worker.model.to("cpu")
         _free(device)
-        u2 = _clock(device)
+        u2 = device_clock(device)
         history = history + [rng.randrange(engine_model.config.vocab_size) for _ in range(8)]
         out = engine.generate(
             [
@@ -826,7 +796,7 @@ def section_role_switch(run: Run, figures: dict, deadline: float) -> None:
                 )
             ]
         )[0]
-        u3 = _clock(device)
+        u3 = device_clock(device)
         probe = next(iter(worker.model.state_dict()))
         fresh = torch.equal(engine.runner.model.state_dict()[probe].cpu(), worker.model.state_dict()[probe])
         history = history + out.output_ids
@@ -871,7 +841,7 @@ def _engine_process(name: str, folder: str, dtype: str, device: str, max_len: in
         one = SamplingParams(temperature=0, max_tokens=1)
 
         def generate(session: str, context: list[int]) -> tuple[float, int]:
-            started = _clock(dev)
+            started = device_clock(dev)
             out = engine.generate(
                 [
                     GenerateRequest(
@@ -882,18 +852,18 @@ def _engine_process(name: str, folder: str, dtype: str, device: str, max_len: in
                     )
                 ]
             )[0]
-            return _clock(dev) - started, out.prefilled_tokens
+            return device_clock(dev) - started, out.prefilled_tokens
 
         def export(session: str, kind: str) -> tuple[dict, float, int]:
-            started = _clock(dev)
+            started = device_clock(dev)
             state = engine.export_session(session)
             handle = transports[kind].send(state)
-            return handle.model_dump(), _clock(dev) - started, state.kv_bytes
+            return handle.model_dump(), device_clock(dev) - started, state.kv_bytes
 
         def import_(handle: dict, kind: str, session: str, context: list[int]) -> tuple[float, float, int]:
-            started = _clock(dev)
+            started = device_clock(dev)
             engine.import_session(transports[kind].receive(handles[kind].model_validate(handle)))
-            imported = _clock(dev) - started
+            imported = device_clock(dev) - started
             seconds, prefilled = generate(session, context)  # the next call: only its last token runs
             return imported + seconds, imported, prefilled
 

@@ -269,16 +269,3 @@ def test_refuses_what_it_cannot_serve(model):
     engine.add_request(req("dup", [1, 2]))
     with pytest.raises(ValueError, match="already in flight"):
         engine.add_request(req("dup", [1, 2]))
-
-
-def test_bench_helpers_smoke(model):
-    """Runs the benchmark helpers at toy size; figures are printed by bench/, never asserted."""
-    from engines.rollout.bench import bench_engine, bench_migration
-
-    figures = bench_engine(
-        model, n_sessions=2, turns=2, max_tokens=4, first_prompt_tokens=(8, 12), tool_tokens=(5, 9)
-    )
-    assert figures["calls"] == 4 and figures["greedy_outputs_identical"] == "4/4"
-    assert 0 < figures["prefix_cache_hit_ratio"] < 1 and figures["ours_max_running"] == 2
-    moved = bench_migration(model, context_tokens=64, repeats=1)
-    assert moved["target_prefilled_tokens"] == 0 and moved["kv_bytes"] == 64 * 2 * 2 * 2 * 8 * 4

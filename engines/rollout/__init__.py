@@ -14,7 +14,6 @@ sampled ids with the policy's raw logprob of each and the policy version that pr
     migration.py  SessionState, pack / unpack, KVTransport: ShmTransport, TorchIpcTransport, GlooTransport
     server.py     FastAPI app: vLLM-shaped /v1/completions with token ids, admin endpoints
     loop.py       EngineLoop: the background thread that steps the engine for the server
-    bench.py      bench_engine (multi-turn agent workload vs HF generate), bench_migration
 
 Run a server on a model folder:  python -m engines.rollout.server --model ./models/tiny --port 8100
 """

@@ -1,9 +1,12 @@
-"""Benchmark helpers for the rollout engine (plain functions; no CLI here, bench/ wires them).
+"""The rollout engine's workloads, measured by bench/engine.py (`gyre bench engine`) and bench/gpu.
 
-    bench_engine(model, n_sessions=8, turns=6)   multi-turn agent-shaped workload: our engine vs HF
-                                                 generate() called per turn on the full context
-    bench_migration(model, context_tokens=2048)  KV migration (export + shm transport + import) vs
-                                                 recomputing the same context (a prefill)
+    agent_turns(engine, rng, sessions, turns, ...)  the multi-turn agent workload on our engine
+    bench_engine(model, n_sessions=8, turns=6)      that workload: our engine vs HF generate() called
+                                                    per turn on the full context
+    bench_migration(model, context_tokens=2048)     KV migration (export + shm transport + import) vs
+                                                    recomputing the same context (a prefill)
+    cache_figures(stats)                            prefill and prefix-cache counters of a run
+    device_clock(device)                            perf_counter once the device finished its queue
 
 Workload of bench_engine: every session starts from a random prompt; each turn's prompt is the previous
 prompt + the previous output + a random "tool result" of 50-300 tokens, so contexts grow as in an
@@ -28,6 +31,7 @@ from engines.rollout.config import EngineConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.messages import GenerateRequest, SamplingParams
 from engines.rollout.migration import ShmTransport
+from engines.rollout.state import EngineStats
 
 
 def bench_engine(
@@ -49,32 +53,66 @@ def bench_engine(
         )
 
 
-def _bench_engine(
-    model, n_sessions, turns, max_tokens, first_prompt_tokens, tool_tokens, seed, config
-) -> dict:
-    rng = random.Random(seed)
-    vocab = model.config.vocab_size
-    longest = first_prompt_tokens[1] + turns * (max_tokens + tool_tokens[1]) + 1
-    config = config or EngineConfig(max_batch_size=n_sessions, max_model_len=longest)
-    engine = RolloutEngine(model, config)
+Turn = tuple[list[list[int]], list[list[int]]]  # one turn of every session: (prompts, our outputs)
+
+
+def agent_turns(
+    engine: RolloutEngine,
+    rng: random.Random,
+    sessions: int,
+    turns: int,
+    max_tokens: int,
+    first_prompt_tokens: tuple[int, int],
+    tool_tokens: tuple[int, int],
+) -> tuple[list[Turn], float]:
+    """Every session starts from a random prompt; each turn's prompt is the previous prompt + our
+    output + a random tool result, all sessions' turns batched on ``engine``, greedy. Returns every
+    turn's prompts and outputs and the device-synchronized seconds it took."""
+    vocab = engine.runner.vocab_size
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
-    prompts = {
-        s: [rng.randrange(vocab) for _ in range(rng.randint(*first_prompt_tokens))] for s in range(n_sessions)
-    }
-    calls: list[tuple[list[int], list[int]]] = []  # (prompt, our output) per call, for the HF replay
-    start = time.perf_counter()
+    prompts = [
+        [rng.randrange(vocab) for _ in range(rng.randint(*first_prompt_tokens))] for _ in range(sessions)
+    ]
+    seen: list[Turn] = []
+    started = device_clock(engine.runner.device)
     for turn in range(turns):
         requests = [
             GenerateRequest(
                 request_id=f"s{s}-t{turn}", session_id=f"s{s}", prompt_ids=prompts[s], sampling=greedy
             )
-            for s in range(n_sessions)
+            for s in range(sessions)
         ]
-        for s, out in enumerate(engine.generate(requests)):
-            calls.append((prompts[s], out.output_ids))
-            tool = [rng.randrange(vocab) for _ in range(rng.randint(*tool_tokens))]
-            prompts[s] = prompts[s] + out.output_ids + tool
-    ours_s = time.perf_counter() - start
+        outputs = [out.output_ids for out in engine.generate(requests)]
+        seen.append((prompts, outputs))
+        prompts = [
+            p + o + [rng.randrange(vocab) for _ in range(rng.randint(*tool_tokens))]
+            for p, o in zip(prompts, outputs, strict=True)
+        ]
+    return seen, device_clock(engine.runner.device) - started
+
+
+def cache_figures(stats: EngineStats) -> dict[str, float]:
+    """Our engine's prefill and prefix-cache counters after a workload."""
+    return {
+        "ours_prefilled_tokens": stats.prefilled_tokens,
+        "ours_cached_tokens": stats.cached_tokens,
+        "prefix_cache_hit_ratio": round(
+            stats.cached_tokens / max(1, stats.cached_tokens + stats.prefilled_tokens), 4
+        ),
+        "ours_max_running": stats.max_running,
+    }
+
+
+def _bench_engine(
+    model, n_sessions, turns, max_tokens, first_prompt_tokens, tool_tokens, seed, config
+) -> dict:
+    longest = first_prompt_tokens[1] + turns * (max_tokens + tool_tokens[1]) + 1
+    config = config or EngineConfig(max_batch_size=n_sessions, max_model_len=longest)
+    engine = RolloutEngine(model, config)
+    seen, ours_s = agent_turns(
+        engine, random.Random(seed), n_sessions, turns, max_tokens, first_prompt_tokens, tool_tokens
+    )
+    calls = [call for prompts, outputs in seen for call in zip(prompts, outputs, strict=True)]
     generated = sum(len(out) for _, out in calls)
     prompt_tokens = sum(len(p) for p, _ in calls)
 
@@ -93,7 +131,6 @@ def _bench_engine(
             )
             agree += hf[0, len(prompt) :].tolist() == ours
     hf_s = time.perf_counter() - start
-    stats = engine.stats
     return {
         "n_sessions": n_sessions,
         "turns": turns,
@@ -102,12 +139,7 @@ def _bench_engine(
         "generated_tokens": generated,
         "ours_seconds": round(ours_s, 4),
         "ours_tokens_per_s": round(generated / ours_s, 1),
-        "ours_prefilled_tokens": stats.prefilled_tokens,
-        "ours_cached_tokens": stats.cached_tokens,
-        "prefix_cache_hit_ratio": round(
-            stats.cached_tokens / max(1, stats.cached_tokens + stats.prefilled_tokens), 4
-        ),
-        "ours_max_running": stats.max_running,
+        **cache_figures(engine.stats),
         "hf_seconds": round(hf_s, 4),
         "hf_tokens_per_s": round(generated / hf_s, 1),
         "hf_prefilled_tokens": prompt_tokens,
@@ -149,15 +181,13 @@ def _bench_migration(model, context_tokens, repeats, seed) -> dict:
         state = source.export_session(f"m{r}")
         kv_bytes = state.kv_bytes
         target.import_session(transport.receive(transport.send(state)))
-        _sync(target)
-        moved = time.perf_counter() - start
+        moved = device_clock(target.runner.device) - start
         fresh = RolloutEngine(model, config)
         start = time.perf_counter()
         fresh.generate(
             [GenerateRequest(request_id=f"p{r}", session_id=f"p{r}", prompt_ids=context, sampling=one)]
         )
-        _sync(fresh)
-        prefill = time.perf_counter() - start
+        prefill = device_clock(fresh.runner.device) - start
         if r:
             migrate.append(moved)
             recompute.append(prefill)
@@ -174,9 +204,11 @@ def _bench_migration(model, context_tokens, repeats, seed) -> dict:
     }
 
 
-def _sync(engine: RolloutEngine) -> None:
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize(engine.runner.device)
+def device_clock(device: torch.device) -> float:
+    """perf_counter after the device finished everything queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @contextlib.contextmanager
