@@ -11,6 +11,8 @@ An unmodified harness needs only a base_url and an api_key:
 Pieces (each module's docstring has the details):
     config.py         GatewayConfig, LimitsConfig, EngineSpec
     protocol.py       OpenAI request models, response / stream-chunk builders
+    engines/protocol.py  the engine wire (EngineCompletionRequest -> EngineCompletion), shared with the
+                      engine server (engines/rollout/server.py)
     codec.py          ChatCodec: chat template -> text -> ids; output ids -> content + tool calls
     render.py         ChatMLRenderer (the project's template, natively and incrementally), TemplateRenderer
     context.py        SessionContext: token fidelity (earlier ids reused exactly, by message prefix)

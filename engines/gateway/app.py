@@ -53,9 +53,9 @@ from engines.gateway.protocol import (
     ID_PATTERN,
     AddEngine,
     ChatCompletionRequest,
-    CompletionRequest,
     FinishExecution,
     RegisterExecution,
+    TextCompletionRequest,
     chat_chunks,
     completion_chunks,
     sse,
@@ -174,7 +174,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def completions(
         request: Request, execution_id: str | None = None, agent_id: str | None = None
     ) -> Response:
-        body = await read(request, CompletionRequest)
+        body = await read(request, TextCompletionRequest)
         execution, agent, role = caller(request, execution_id, agent_id, body)
         completion, engine_s = await gateway.complete(execution, agent, role, body)
         request.state.gyre_engine_s = engine_s

@@ -1,7 +1,9 @@
 """EngineClient: the gateway's HTTP link to one rollout engine.
 
-Generation uses only the vLLM-compatible subset of engines/rollout/server.py (token-id prompt, sampling
-fields, stop_token_ids, logprobs, return_tokens_as_token_ids + return_token_ids; read token_ids,
+Requests and answers are engines/protocol.py's models, the ones the engine server uses: an
+EngineCompletionRequest goes out, an EngineCompletion comes back (an answer that does not parse is an
+EngineRejected with status 502). Generation uses only the vLLM-compatible subset (token-id prompt,
+sampling fields, stop_token_ids, logprobs, return_tokens_as_token_ids + return_token_ids; read token_ids,
 token_logprobs, finish_reason, usage), plus session_id and request_id, which recent vLLM declares too.
 Our server's per-choice ``gyre`` extension (engine id, policy versions, prefilled tokens, migrated) is
 read when present. KV migration uses our admin endpoints (/admin/export_session, /admin/import_session):
@@ -16,15 +18,25 @@ elsewhere); a timeout or an error status -> EngineRejected.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 import orjson
+from pydantic import BaseModel, ValidationError
 
 from engines.gateway.errors import EngineDown, EngineRejected
 from engines.gateway.http import KeepAliveClient
+from engines.protocol import (
+    EngineCompletion,
+    EngineCompletionRequest,
+    ModelList,
+    SessionExport,
+    SessionImport,
+    SessionImported,
+)
 
 EngineState = Literal["active", "draining", "dead"]
+Parsed = TypeVar("Parsed", bound=BaseModel)
 _JSON = {"content-type": "application/json"}
 
 
@@ -66,10 +78,10 @@ class EngineClient:
 
     async def probe(self) -> None:
         """Reads the served model (and, with an admin token, the engine's id and policy version)."""
-        models = await self._request("GET", "/v1/models")
-        card = (models.get("data") or [{}])[0]
-        self.model_name = card.get("id")
-        self.max_model_len = card.get("max_model_len")
+        models = self._parse(ModelList, await self._request("GET", "/v1/models"))
+        if models.data:
+            self.model_name = models.data[0].id
+            self.max_model_len = models.data[0].max_model_len
         if self.admin_token:
             stats = await self._request("GET", "/admin/stats", admin=True)
             self.policy_version = stats.get("policy_version")
@@ -79,11 +91,12 @@ class EngineClient:
             return None
         return (await self._request("GET", "/admin/stats", admin=True)).get("engine_id")
 
-    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, request: EngineCompletionRequest) -> EngineCompletion:
         if self.model_name is not None:
-            body = {**body, "model": self.model_name}
+            request = request.model_copy(update={"model": self.model_name})
         self.calls += 1
-        content = orjson.dumps(body)
+        # None fields are left out, as a vLLM server of an older version may not accept null for them
+        content = request.model_dump_json(exclude_none=True).encode()
         try:
             status, data = await self.fast.request("POST", "/v1/completions", content, dict(_JSON))
         except TimeoutError as exc:
@@ -92,22 +105,26 @@ class EngineClient:
             raise EngineDown(self.engine_id, repr(exc)) from exc
         if status >= 400:
             raise EngineRejected(self.engine_id, status, _message(data))
-        return orjson.loads(data)
+        return self._parse(EngineCompletion, data)
 
     async def export_session(self, session_id: str) -> dict[str, Any] | None:
         """The session's KV handle, or None when this engine holds no such session."""
         try:
             return await self._request(
-                "POST", "/admin/export_session", {"session_id": session_id}, admin=True
+                "POST", "/admin/export_session", SessionExport(session_id=session_id), admin=True
             )
         except EngineRejected as exc:
             if exc.status == 404:
                 return None
             raise
 
-    async def import_session(self, handle: dict[str, Any], *, wait: bool) -> dict[str, Any]:
-        body = {"handle": handle, "wait": wait}
-        return await self._request("POST", "/admin/import_session", body, admin=True)
+    async def import_session(
+        self, handle: dict[str, Any], *, wait: bool
+    ) -> EngineCompletion | SessionImported:
+        """The imported session; with wait=true and a request in flight, that request's completion."""
+        body = SessionImport(handle=handle, wait=wait)
+        answer = await self._request("POST", "/admin/import_session", body, admin=True)
+        return self._parse(EngineCompletion if "choices" in answer else SessionImported, answer)
 
     async def stats(self) -> dict[str, Any]:
         return await self._request("GET", "/admin/stats", admin=True)
@@ -116,15 +133,25 @@ class EngineClient:
         await self.fast.close()
         await self.client.aclose()
 
+    def _parse(self, model: type[Parsed], data: bytes | dict[str, Any]) -> Parsed:
+        try:
+            if isinstance(data, bytes):
+                return model.model_validate_json(data)
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise EngineRejected(
+                self.engine_id, 502, f"its answer is not a valid {model.__name__}: {exc.errors()[:3]}"
+            ) from exc
+
     async def _request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, admin: bool = False
+        self, method: str, path: str, body: BaseModel | None = None, *, admin: bool = False
     ) -> dict[str, Any]:
         headers = dict(_JSON)
         if admin:
             if not self.admin_token:
                 raise EngineRejected(self.engine_id, 403, "no admin token configured for this engine")
             headers["authorization"] = f"Bearer {self.admin_token}"
-        content = orjson.dumps(body) if body is not None else None
+        content = body.model_dump_json().encode() if body is not None else None
         try:
             response = await self.client.request(method, path, content=content, headers=headers)
         except httpx.TimeoutException as exc:

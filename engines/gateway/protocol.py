@@ -2,7 +2,7 @@
 vLLM does) and the response / stream-chunk builders.
 
     ChatCompletionRequest   POST .../v1/chat/completions
-    CompletionRequest       POST .../v1/completions (prompt: text or token ids, one prompt per request)
+    TextCompletionRequest   POST .../v1/completions (prompt: text or token ids, one prompt per request)
     RegisterExecution, FinishExecution, AddEngine   admin bodies; check_reward (finite, in REWARD_RANGE)
 
 Supported: messages (system, developer = system, user, assistant with tool_calls, tool), tools,
@@ -140,7 +140,7 @@ class ChatCompletionRequest(SamplingFields):
         return total
 
 
-class CompletionRequest(SamplingFields):
+class TextCompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

@@ -4,7 +4,7 @@ A session is one (execution, agent): session_id = "<execution_id>/<agent_id>", t
 too, so the engine's prefix cache holds its context between calls.
 
     route = router.route(session_id)
-    result = await router.generate(route, body, known_tokens=...)  # EngineResult
+    result = await router.generate(route, request, known_tokens=...)  # EngineResult (an EngineCompletion)
     report = await router.drain(engine_id)                          # every session leaves that engine
 
 Affinity and placement. A session's calls go to the engine it is bound to. A new session (or one whose
@@ -34,6 +34,7 @@ from typing import Any
 
 from engines.gateway.engine_client import EngineClient
 from engines.gateway.errors import EngineDown, GatewayError
+from engines.protocol import EngineCompletion, EngineCompletionRequest
 
 
 @dataclass(eq=False)
@@ -46,7 +47,8 @@ class SessionRoute:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while a drain moves it
     in_flight: str | None = None  # the request id the gateway is waiting on
-    migrations: dict[str, asyncio.Future] = field(default_factory=dict)  # request id -> its completion
+    # request id -> its EngineCompletion on the engine it migrated to (None: it did not arrive there)
+    migrations: dict[str, asyncio.Future] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.settled.set()
@@ -54,7 +56,7 @@ class SessionRoute:
 
 @dataclass
 class EngineResult:
-    response: dict[str, Any]  # the engine's completion (of the engine that finished the request)
+    response: EngineCompletion  # of the engine that finished the request
     engine: EngineClient
     engine_seconds: float  # time spent waiting on engines (requests and migrations)
     rerouted: bool  # re-run on another engine after its engine died
@@ -137,11 +139,11 @@ class Router:
 
     # calls ------------------------------------------------------------------------------------------
     async def generate(
-        self, route: SessionRoute, body: dict[str, Any], known_tokens: int = 0
+        self, route: SessionRoute, request: EngineCompletionRequest, known_tokens: int = 0
     ) -> EngineResult:
         """Runs one request of ``route``'s session (the caller holds route.lock), wherever it must go.
-        ``body`` is the engine request, request_id included (a retry elsewhere appends -retry<n>)."""
-        base_id = body["request_id"]
+        ``request`` has its request_id (a retry elsewhere appends -retry<n>)."""
+        base_id = request.request_id
         rerouted = migrated = False
         waited = 0.0
         failures: list[str] = []
@@ -159,7 +161,7 @@ class Router:
             route.in_flight, engine.in_flight = request_id, engine.in_flight + 1
             start = time.perf_counter()
             try:
-                response = await engine.generate({**body, "request_id": request_id})
+                response = await engine.generate(request.model_copy(update={"request_id": request_id}))
             except EngineDown as exc:
                 failures.append(str(exc))
                 self.mark_dead(engine)
@@ -170,7 +172,7 @@ class Router:
                 engine.in_flight -= 1
                 route.in_flight = None
             future = route.migrations.pop(request_id, None)
-            if response["choices"][0].get("finish_reason") == "migrated":
+            if response.choice.finish_reason == "migrated":
                 start = time.perf_counter()
                 try:
                     moved = await future if future is not None else None
@@ -185,7 +187,7 @@ class Router:
                 response, engine, migrated = moved, route.engine or engine, True
             recomputed = 0
             if rerouted:
-                recomputed = min(_prefilled(response), known_tokens)
+                recomputed = min(response.prefilled_tokens(), known_tokens)
                 self.stats.rerouted_calls += 1
                 self.stats.recomputed_tokens += recomputed
             route.lost = False
@@ -237,7 +239,7 @@ class Router:
                 self.stats.sessions_rebound += 1
             else:
                 answer = await target.import_session(handle, wait=True)
-                completion = answer if "choices" in answer else None
+                completion = answer if isinstance(answer, EngineCompletion) else None
                 outcome = "request" if completion is not None else "kv"
                 self.stats.sessions_migrated += 1
                 self.stats.requests_migrated += outcome == "request"
@@ -283,13 +285,3 @@ class Router:
                 404, f"no engine {engine_id!r}; known: {sorted(self.engines)}", code="engine_not_found"
             )
         return engine
-
-
-def _prefilled(response: dict[str, Any]) -> int:
-    choice = response["choices"][0]
-    gyre = choice.get("gyre") or {}
-    if "prefilled_tokens" in gyre:
-        return int(gyre["prefilled_tokens"])
-    usage = response.get("usage") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return int(usage.get("prompt_tokens", 0)) - int(cached)

@@ -54,15 +54,16 @@ from engines.gateway.errors import EngineDown, EngineRejected, GatewayError
 from engines.gateway.protocol import (
     AddEngine,
     ChatCompletionRequest,
-    CompletionRequest,
     FinishExecution,
     RegisterExecution,
     SamplingFields,
+    TextCompletionRequest,
     chat_completion,
     check_reward,
 )
 from engines.gateway.registry import Agent, Execution, Registry
 from engines.gateway.router import EngineResult, Router
+from engines.protocol import EngineCompletionRequest, GyreChoice
 from trajectory_store.recorder import Recorder
 from trajectory_store.schema import ROLES, RecordError
 from trajectory_store.storage import Store
@@ -338,7 +339,7 @@ class Gateway:
         return completion, outcome.result.engine_seconds
 
     async def complete(
-        self, execution: Execution, agent_id: str, role: str, request: CompletionRequest
+        self, execution: Execution, agent_id: str, role: str, request: TextCompletionRequest
     ) -> tuple[dict[str, Any], float]:
         """Legacy completions: a text prompt is tokenized as is (no chat template); token ids are used as
         given (token in, token out: choices[0].token_ids)."""
@@ -415,44 +416,41 @@ class Gateway:
             if len(ids) == 1 and self.codec.decode(ids) == text:
                 token_stops[ids[0]] = text
                 stop_ids[ids[0]] = None
-        body: dict[str, Any] = {
-            "prompt": prompt_ids,
-            "max_tokens": max_tokens,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
-            "top_p": 1.0 if request.top_p is None else request.top_p,
-            "stop_token_ids": list(stop_ids),
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-            "return_token_ids": True,
-            "session_id": agent.route.session_id,
-            "request_id": f"gw-{self.new_id()}",
-        }
-        if request.seed is not None:
-            body["seed"] = request.seed
-        if request.top_k is not None:
-            body["top_k"] = request.top_k
+        # built from checked values: model_construct spares a validation pass over a long prompt
+        engine_request = EngineCompletionRequest.model_construct(
+            prompt=prompt_ids,
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            stop_token_ids=list(stop_ids),
+            logprobs=1,
+            return_tokens_as_token_ids=True,
+            return_token_ids=True,
+            session_id=agent.route.session_id,
+            request_id=f"gw-{self.new_id()}",
+        )
         t_start = time.time()
         try:
-            result = await self.router.generate(agent.route, body, known_tokens)
+            result = await self.router.generate(agent.route, engine_request, known_tokens)
         except EngineRejected as exc:
             status = 400 if exc.status in (400, 413, 422) else 502
             raise GatewayError(
                 status, f"the engine refused the request: {exc.message}", code="engine_error"
             ) from exc
         t_end = time.time()
-        choice = result.response["choices"][0]
-        output_ids = list(choice["token_ids"])
-        logprobs = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
-        finish = choice["finish_reason"]
-        gyre = choice.get("gyre") or {}
-        versions = gyre.get("policy_versions") or []
+        choice = result.response.choice
+        output_ids = list(choice.token_ids)
+        logprobs = list(choice.logprobs.token_logprobs) if choice.logprobs else []
+        gyre = choice.gyre or GyreChoice()
         output_ids, logprobs, versions, text, finish = self._cut(
-            output_ids, logprobs, versions, finish, token_stops, stop_strings
+            output_ids, logprobs, list(gyre.policy_versions), choice.finish_reason, token_stops, stop_strings
         )
         engine = result.engine
         version = min(versions) if versions else (engine.policy_version or 0)
-        engine_id = gyre.get("engine_id") or engine.engine_id
-        migrated = bool(result.migrated or gyre.get("migrated"))
+        engine_id = gyre.engine_id or engine.engine_id
+        migrated = result.migrated or gyre.migrated
         call_id = execution.calls
         record = dict(
             call_id=call_id,
@@ -583,8 +581,9 @@ class Gateway:
         return ids[:low], logprobs[:low], versions[:low], prefix[:cut_at], "stop"
 
     def _usage(self, prompt_ids: list[int], outcome: CallOutcome) -> dict[str, Any]:
-        usage = outcome.result.response.get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        usage = outcome.result.response.usage
+        details = usage.prompt_tokens_details if usage is not None else None
+        cached = details.cached_tokens if details is not None else None
         return {
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(outcome.output_ids),

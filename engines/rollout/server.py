@@ -3,7 +3,7 @@
     python -m engines.rollout.server --model ./models/tiny --port 8100 --admin-token "$TOKEN"
     app = create_app(engine, admin_token="...")          # then run it with uvicorn yourself
 
-Endpoints:
+Endpoints (request and response models: engines/protocol.py, which the gateway imports too):
     POST /v1/completions   {"model", "prompt": [ids] | [[ids], ...], "max_tokens", "temperature", "top_p",
                             "top_k", "seed", "stop_token_ids", "logprobs": 1, "return_tokens_as_token_ids":
                             true, "return_token_ids": true, "session_id"} -> choices + usage
@@ -57,9 +57,23 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, ValidationError
 
+from engines.protocol import (
+    ChoiceLogprobs,
+    EngineChoice,
+    EngineCompletion,
+    EngineCompletionRequest,
+    EngineUsage,
+    GyreChoice,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SessionExport,
+    SessionImport,
+    SessionImported,
+)
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.loop import EngineLoop
 from engines.rollout.messages import GenerateOutput, GenerateRequest, SamplingParams
@@ -67,42 +81,10 @@ from engines.rollout.migration import ShmHandle, ShmTransport
 from engines.rollout.runner import read_weights
 
 
-class CompletionRequest(BaseModel):
-    """The vLLM completions fields we serve; unknown fields are ignored (as vLLM does, with a warning)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    prompt: list[int] | list[list[int]] = Field(description="token ids, or a list of token id lists")
-    max_tokens: int | None = Field(16, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    logprobs: int | None = Field(None, ge=0)
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
-    n: int = 1
-    stream: bool | None = False
-    echo: bool | None = False
-    session_id: str | None = Field(None, description="extension: calls of one session share a KV cache")
-    request_id: str | None = None
-
-
 class WeightsRequest(BaseModel):
     path: str = Field(description="a safetensors file or an HF folder, on this host")
     version: int | None = Field(None, description="None = the file's 'version' metadata")
     drop_kv: bool = False
-
-
-class ExportRequest(BaseModel):
-    session_id: str
-
-
-class ImportRequest(BaseModel):
-    handle: ShmHandle
-    wait: bool = Field(False, description="answer with the migrated request's completion once it ends")
 
 
 def create_app(
@@ -144,13 +126,12 @@ def create_app(
         return JSONResponse({})
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "gyrerl"}
-        card["max_model_len"] = engine.runner.max_model_len
-        return {"object": "list", "data": [card]}
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.runner.max_model_len)
+        return ModelList(data=[card])
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: EngineCompletionRequest):
         if body.n != 1 or body.stream or body.echo:
             return _error(400, "n > 1, stream and echo are not supported")
         prompts = [body.prompt] if body.prompt and isinstance(body.prompt[0], int) else body.prompt
@@ -205,7 +186,7 @@ def create_app(
         return {"asleep": engine.asleep, "policy_version": engine.policy_version}
 
     @app.post("/admin/export_session", dependencies=[Depends(admin)])
-    def export_session(body: ExportRequest) -> dict:
+    def export_session(body: SessionExport) -> dict:
         try:
             state = engine.export_session(body.session_id)
         except KeyError as exc:
@@ -214,8 +195,12 @@ def create_app(
         return transport.send(state).model_dump()
 
     @app.post("/admin/import_session", dependencies=[Depends(admin)])
-    async def import_session(body: ImportRequest):
-        state = await asyncio.to_thread(transport.receive, body.handle)
+    async def import_session(body: SessionImport):
+        try:
+            handle = ShmHandle.model_validate(body.handle)
+        except ValidationError as exc:
+            return _error(400, f"handle is not a {transport.__class__.__name__} handle: {exc.errors()[:3]}")
+        state = await asyncio.to_thread(transport.receive, handle)
         request_id = state.decode.request.request_id if state.decode else None
         future = loop.expect(request_id) if body.wait and request_id else None
         try:
@@ -224,7 +209,7 @@ def create_app(
             return _error(400, str(exc))
         loop.notify()
         if future is None:
-            return {"session_id": state.session_id, "request_id": request_id}
+            return SessionImported(session_id=state.session_id, request_id=request_id)
         return _completion(request_id, model_name, [await future], logprobs=1)
 
     @app.get("/admin/stats", dependencies=[Depends(admin)])
@@ -251,49 +236,53 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _completion(response_id: str, model: str, outputs: list[GenerateOutput], logprobs: int | None) -> dict:
+def _completion(
+    response_id: str, model: str, outputs: list[GenerateOutput], logprobs: int | None
+) -> Response:
+    """The engine's outputs as an EngineCompletion, serialized by pydantic (one pass in Rust, instead of
+    FastAPI walking every token id)."""
     choices = []
     for index, out in enumerate(outputs):
-        choice = {
-            "index": index,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": out.finish_reason,
-            "stop_reason": out.output_ids[-1] if out.finish_reason == "stop" else None,
-            "token_ids": out.output_ids,
-            "gyre": {
-                "request_id": out.request_id,
-                "session_id": out.session_id,
-                "policy_versions": out.policy_versions,
-                "engine_id": out.engine_id,
-                "cached_prompt_tokens": out.cached_prompt_tokens,
-                "prefilled_tokens": out.prefilled_tokens,
-                "migrated": out.migrated,
-            },
-        }
+        choice = EngineChoice(
+            index=index,
+            finish_reason=out.finish_reason,
+            stop_reason=out.output_ids[-1] if out.finish_reason == "stop" else None,
+            token_ids=out.output_ids,
+            gyre=GyreChoice(
+                request_id=out.request_id,
+                session_id=out.session_id,
+                policy_versions=out.policy_versions,
+                engine_id=out.engine_id,
+                cached_prompt_tokens=out.cached_prompt_tokens,
+                prefilled_tokens=out.prefilled_tokens,
+                migrated=out.migrated,
+            ),
+        )
         if logprobs is not None:
-            choice["logprobs"] = {
-                "text_offset": [0] * len(out.output_ids),
-                "token_logprobs": out.output_logprobs,
-                "tokens": [f"token_id:{t}" for t in out.output_ids],
-                "top_logprobs": [None] * len(out.output_ids),
-            }
+            choice.logprobs = ChoiceLogprobs(
+                text_offset=[0] * len(out.output_ids),
+                token_logprobs=out.output_logprobs,
+                tokens=[f"token_id:{t}" for t in out.output_ids],
+                top_logprobs=[None] * len(out.output_ids),
+            )
         choices.append(choice)
     prompt_tokens = sum(o.prompt_tokens for o in outputs)
     completion_tokens = sum(len(o.output_ids) for o in outputs)
-    return {
-        "id": response_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_prompt_tokens for o in outputs)},
-        },
-    }
+    completion = EngineCompletion(
+        id=response_id,
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=EngineUsage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(o.cached_prompt_tokens for o in outputs)
+            ),
+        ),
+    )
+    return Response(completion.model_dump_json(), media_type="application/json")
 
 
 def main(argv: list[str] | None = None) -> None:
