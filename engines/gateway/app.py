@@ -56,12 +56,14 @@ from engines.gateway.protocol import (
     FinishExecution,
     RegisterExecution,
     TextCompletionRequest,
+    call_role,
     chat_chunks,
     completion_chunks,
     sse,
 )
 from engines.gateway.registry import Execution
 from engines.gateway.service import Gateway
+from trajectory_store.schema import Role
 
 logger = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=BaseModel)
@@ -144,7 +146,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     def caller(
         request: Request, execution_id: str | None, agent_id: str | None, body: Any
-    ) -> tuple[Execution, str, str]:
+    ) -> tuple[Execution, str, Role]:
         if execution_id is None:
             execution = gateway.registry.by_key(_bearer(request))
         else:
@@ -156,7 +158,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                 400, f"bad agent id {agent_id!r}: letters, digits and ._:@+- only", param="agent_id"
             )
         role = request.headers.get("x-gyre-role") or getattr(body, "gyre_role", None)
-        return execution, agent_id, role or ("main" if agent_id == "main" else "sub")
+        return execution, agent_id, call_role(role, agent_id)
 
     # OpenAI-compatible ------------------------------------------------------------------------------
     async def chat(

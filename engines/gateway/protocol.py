@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engines.gateway.errors import GatewayError
+from trajectory_store.schema import ROLES, RewardSource, Role, Status
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
+# who wrote a chat message (OpenAI's word); not the agent Role of a call (trajectory_store.schema)
+MessageRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Lenient(BaseModel):
@@ -44,7 +47,7 @@ class ToolCall(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: MessageRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -81,7 +84,7 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
-    gyre_role: str | None = None
+    gyre_role: Role | None = None
     gyre_agent: str | None = None
 
     @field_validator("stop")
@@ -166,12 +169,24 @@ class RegisterExecution(_Lenient):
 
 
 class FinishExecution(_Lenient):
-    status: Literal["completed", "timeout", "error", "eval_failed"]
+    status: Status
     reward: float | None = Field(
         None, description="in REWARD_RANGE and finite (check_reward); None when there is none (eval_failed)"
     )
-    reward_source: Literal["final", "workspace_snapshot", "placeholder"] | None = None
+    reward_source: RewardSource | None = None
     snapshot_uri: str | None = None
+
+
+def call_role(value: str | None, agent_id: str) -> Role:
+    """The Role of a call: ``value`` (X-Gyre-Role or gyre_role) checked, else "main" for the main agent
+    and "sub" for the others."""
+    if value is None:
+        return "main" if agent_id == "main" else "sub"
+    if value not in ROLES:
+        raise GatewayError(
+            400, f"unknown role {value!r}; expected one of {', '.join(ROLES)}", param="gyre_role"
+        )
+    return cast(Role, value)  # checked against ROLES, the Literal's values
 
 
 REWARD_RANGE = (0.0, 1.0)  # the graders give passed / total

@@ -20,6 +20,7 @@ from engines.gateway.context import SessionContext
 from engines.gateway.errors import GatewayError
 from engines.gateway.protocol import RegisterExecution
 from engines.gateway.router import SessionRoute
+from trajectory_store.schema import Status
 
 
 @dataclass(eq=False)
@@ -51,7 +52,7 @@ class Registry:
     def __init__(self) -> None:
         self.executions: dict[str, Execution] = {}
         self._by_key: dict[str, Execution] = {}
-        self.finished: dict[str, str] = {}  # execution id -> status
+        self.finished: dict[str, Status] = {}  # execution id -> status
 
     def register(self, body: RegisterExecution, default_step: int) -> tuple[Execution, bool]:
         """(execution, created). Registering a live id again returns it unchanged (retry-safe)."""
@@ -104,7 +105,7 @@ class Registry:
             )
         return execution
 
-    def finish(self, execution_id: str, status: str) -> Execution:
+    def finish(self, execution_id: str, status: Status) -> Execution:
         execution = self.get(execution_id)
         del self.executions[execution_id]
         self._by_key.pop(execution.api_key, None)

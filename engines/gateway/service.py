@@ -65,7 +65,7 @@ from engines.gateway.registry import Agent, Execution, Registry
 from engines.gateway.router import EngineResult, Router
 from engines.protocol import EngineCompletionRequest, GyreChoice
 from trajectory_store.recorder import Recorder
-from trajectory_store.schema import ROLES, RecordError
+from trajectory_store.schema import RecordError, Role
 from trajectory_store.storage import Store
 
 logger = logging.getLogger(__name__)
@@ -284,10 +284,10 @@ class Gateway:
         return agent
 
     async def chat(
-        self, execution: Execution, agent_id: str, role: str, request: ChatCompletionRequest
+        self, execution: Execution, agent_id: str, role: Role, request: ChatCompletionRequest
     ) -> tuple[dict[str, Any], float]:
         """(the chat completion, seconds spent waiting on engines)."""
-        _check_sampling(request, role)
+        _check_sampling(request)
         if request.top_logprobs:
             raise GatewayError(
                 400,
@@ -339,11 +339,11 @@ class Gateway:
         return completion, outcome.result.engine_seconds
 
     async def complete(
-        self, execution: Execution, agent_id: str, role: str, request: TextCompletionRequest
+        self, execution: Execution, agent_id: str, role: Role, request: TextCompletionRequest
     ) -> tuple[dict[str, Any], float]:
         """Legacy completions: a text prompt is tokenized as is (no chat template); token ids are used as
         given (token in, token out: choices[0].token_ids)."""
-        _check_sampling(request, role)
+        _check_sampling(request)
         if request.echo or (request.best_of or 1) > 1:
             raise GatewayError(400, "echo and best_of > 1 are not supported", param="echo")
         prompt = request.single_prompt()
@@ -391,7 +391,7 @@ class Gateway:
         self,
         execution: Execution,
         agent: Agent,
-        role: str,
+        role: Role,
         prompt_ids: list[int],
         request: SamplingFields,
         known_tokens: int,
@@ -591,7 +591,7 @@ class Gateway:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _gyre(self, execution: Execution, agent: Agent, role: str, outcome: CallOutcome) -> dict[str, Any]:
+    def _gyre(self, execution: Execution, agent: Agent, role: Role, outcome: CallOutcome) -> dict[str, Any]:
         return {
             "execution_id": execution.execution_id,
             "agent_id": agent.agent_id,
@@ -614,13 +614,9 @@ class Gateway:
         ]
 
 
-def _check_sampling(request: SamplingFields, role: str) -> None:
+def _check_sampling(request: SamplingFields) -> None:
     if request.n != 1:
         raise GatewayError(400, "n > 1 is not supported: send n requests", param="n")
-    if role not in ROLES:
-        raise GatewayError(
-            400, f"unknown role {role!r}; expected one of {', '.join(ROLES)}", param="gyre_role"
-        )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
