@@ -6,7 +6,7 @@ gateway's overhead per call, measured in one run on the same model.
     python -m bench.engine [--quick] [--out bench/results/engine.json]
 
 Model: the ``tiny`` preset (engines/model, 3M parameters, our tokenizer and chat template), random
-weights, float32, on the CPU with ONE torch thread (on this shared 2-core host two threads were slower
+weights, float32, on the CPU with ONE torch thread (on a shared 2-core host two threads were slower
 and far noisier); the figures compare systems on the same model, not the model. Read ratios, not seconds.
 
 1. Engine vs HF (bench/engine_workload.py `bench_engine`): many sessions of an agent loop whose contexts

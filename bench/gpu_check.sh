@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 6): one command, from anywhere, on the GPU machine or on a CPU.
+# The GPU check (bench/gpu): one command, from anywhere, on a GPU machine or on a CPU.
 #
 #     bash bench/gpu_check.sh [--quick] [--sections engine,train,...]
 #
@@ -7,18 +7,20 @@
 # travels with the run), in less time:
 #     GPU_CHECK_BUDGET=200 GPU_CHECK_TIMEOUT=240 bash bench/gpu_check.sh --sections deepspeed,migration
 #
-# On the GPU machine (no package registry): its python3 holds a CUDA build of torch. What our code
-# needs beyond that image travels as wheels in bench/gpu_wheels/ (built here by bench/gpu_prepare.sh,
-# kept out of git, carried with the run: carry=["bench/gpu_wheels"]); they are installed into
+# On a GPU machine without a package registry: its python3 holds a CUDA build of torch. What our
+# code needs beyond that image travels as wheels in bench/gpu_wheels/ (built by bench/gpu_prepare.sh
+# where a registry is reachable, kept out of git, copied with the repository); they are installed into
 # /tmp/gyre-site, which goes on PYTHONPATH before the image's packages, with the repo root. Then
-# bench/gpu.py runs every section within a 420 s budget under `timeout 470` and writes
-# bench/results/gpu.json, copied to $OUT/gpu.json when OUT is set (the run's log goes to
-# $OUT/gpu_check.log). The .venv of this repo is never carried: its torch is a CPU build.
+# `python -m bench.gpu` runs every section within a 420 s budget under `timeout 470` and writes
+# bench/results/gpu.json; when OUT names a folder, it also gets gpu.json after every step
+# (--copy-to "$OUT") and the run's log (gpu_check.log). The repository's .venv is not used there:
+# its torch is a CPU build.
 #
 # Without CUDA it falls back to .venv (tiny preset, tiny sizes) and writes bench/results/gpu_cpu.json,
 # so a CPU run never overwrites the GPU figures.
 #
-# Environment: GPU_CHECK_BUDGET (seconds, default 420), GPU_CHECK_TIMEOUT (default 470).
+# Environment: GPU_CHECK_BUDGET (seconds, default 420), GPU_CHECK_TIMEOUT (default 470), OUT (a folder
+# for gpu.json and the log, optional).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -67,7 +69,7 @@ fi
 {
   # one interpreter start: what runs, and the imports every section needs (deepspeed only its own),
   # before any of the budget is spent
-  "$PY" - <<'PYCHECK' || { echo "[gpu_check] missing packages: run bench/gpu_prepare.sh on the dev machine and carry bench/gpu_wheels" >&2; exit 2; }
+  "$PY" - <<'PYCHECK' || { echo "[gpu_check] missing packages: build bench/gpu_wheels with bench/gpu_prepare.sh and copy it along" >&2; exit 2; }
 import importlib.metadata as m, sys
 import torch
 print(f"[gpu_check] {sys.executable} {sys.version.split()[0]}, cuda available: {torch.cuda.is_available()}")
@@ -78,7 +80,9 @@ for name in ("torch", "transformers", "deepspeed", "pydantic", "duckdb", "pyarro
         print(f"[gpu_check]   {name} missing")
 import pydantic, duckdb, pyarrow, transformers, bench.gpu  # noqa: E401,F401
 PYCHECK
-  timeout --kill-after=15 "$LIMIT" "$PY" bench/gpu.py --budget "$BUDGET" --out "$RESULT" "$@"
+  COPY=()
+  [ -n "${OUT:-}" ] && COPY=(--copy-to "$OUT")
+  timeout --kill-after=15 "$LIMIT" "$PY" -m bench.gpu --budget "$BUDGET" --out "$RESULT" "${COPY[@]}" "$@"
   rc=$?
   [ "$rc" -eq 124 ] && echo "[gpu_check] stopped by the $LIMIT s time limit; $RESULT holds every section finished before it"
   if [ -n "${OUT:-}" ] && [ -f "$RESULT" ]; then cp "$RESULT" "$OUT/gpu.json"; fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the wheel folder that bench/gpu_check.sh installs on the GPU machine, which reaches no package
-# registry. That machine's image has python3 3.12 with a CUDA build of torch, numpy, pyarrow,
+# Builds the wheel folder that bench/gpu_check.sh installs on a GPU machine that reaches no package
+# registry. Such a machine's image has python3 3.12 with a CUDA build of torch, numpy, pyarrow,
 # safetensors, tokenizers, huggingface-hub, typer, psutil, msgpack, ninja, einops, py-cpuinfo...; it
 # lacks DeepSpeed, DuckDB, pydantic and hjson, and holds other versions of transformers, regex, fsspec
 # and typing-extensions than the ones our tests ran with. This folder brings exactly those, at the
@@ -8,9 +8,9 @@
 #
 #     bash bench/gpu_prepare.sh [DEST] [PYTHON_VERSION]      # defaults: bench/gpu_wheels 3.12
 #
-# Run it here (it needs .venv from `make install` and the package registry). DEST must stay out of git
-# (add `bench/gpu_wheels/` to .gitignore) and travels with the GPU run: run(carry=["bench/gpu_wheels"],
-# command="bash bench/gpu_check.sh"). Only pure-Python wheels and manylinux x86_64 wheels for
+# Run it where the package registry is reachable (it needs .venv from `make install`). DEST stays out
+# of git (.gitignore lists bench/gpu_wheels/) and is copied with the repository to the GPU machine,
+# where `bash bench/gpu_check.sh` installs it. Only pure-Python wheels and manylinux x86_64 wheels for
 # PYTHON_VERSION; DeepSpeed is built from its sdist with its ops off (a pure-Python wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."

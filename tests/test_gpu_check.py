@@ -1,6 +1,6 @@
-"""bench/gpu.py (the GPU check of issue 6) on the CPU: it falls back to the tiny preset, every section
-measures or records why it did not, and the JSON is there even when sections fail or are skipped.
-No timing is asserted: the figures of a CPU run mean nothing, the script's behaviour does."""
+"""The GPU check (bench/gpu) on the CPU: it falls back to the tiny preset, every section measures or
+records why it did not, and the JSON is there even when sections fail or are skipped. No timing is
+asserted: the figures of a CPU run mean nothing, the script's behaviour does."""
 
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ def models_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_cpu_fallback_runs_every_section_on_the_tiny_preset(tmp_path, models_dir, monkeypatch):
-    monkeypatch.setenv("OUT", str(tmp_path / "device-out"))
+def test_cpu_fallback_runs_every_section_on_the_tiny_preset(tmp_path, models_dir):
     out = tmp_path / "gpu.json"
-    report = gpu.main(str(out), budget_s=900, quick=True, models_dir=models_dir)
+    copy_to = tmp_path / "device-out"
+    report = gpu.main(str(out), budget_s=900, quick=True, models_dir=models_dir, copy_to=str(copy_to))
 
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(report, default=str))
-    assert json.loads((tmp_path / "device-out" / "gpu.json").read_text()) == written  # the $OUT copy
+    assert json.loads((copy_to / "gpu.json").read_text()) == written  # the copy_to copy
     assert written["device"] == "cpu" and written["fallback"]
     assert set(written["models"]) == {"tiny"}
     assert set(written["plan"]["engine_presets"] + written["plan"]["train_presets"]) == {"tiny"}
@@ -55,8 +55,8 @@ def test_cpu_fallback_runs_every_section_on_the_tiny_preset(tmp_path, models_dir
         assert run["ours_cached_tokens"] > 0
         assert run["ours_prefilled_tokens"] < run["prompt_tokens"]
     equality = written["sections"]["train"]["equality_fp32"]
-    assert equality["max_abs_logprob_diff"] < 1e-4
-    assert equality["grad_rel_diff"] < 1e-4
+    assert equality["max_abs_logprob_diff"] <= 1e-5  # DESIGN.md 5: fp32 tolerance
+    assert equality["grad_rel_diff"] <= 1e-5
     switch = written["sections"]["role_switch"]
     assert all(c["engine_has_new_weights"] for c in switch["cycles"])
     assert [c["token_policy_version"] for c in switch["cycles"]] == [1, 2]
