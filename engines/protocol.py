@@ -6,6 +6,7 @@ EngineCoreRequest / EngineCoreOutput are shared by its client and its engine cor
                              per-choice extension GyreChoice) + EngineUsage
     ModelCard, ModelList     GET /v1/models (max_model_len and engine_id are our extensions)
     SessionExport, SessionImport, SessionImported   the KV-migration admin bodies
+    common_prefix            how much of a new prompt the receiver already holds (both sides use it)
 
 The fields are vLLM's, named and typed as in vLLM's completions protocol (see engines/rollout/server.py for
 what was checked): a vLLM server can stand behind the gateway, so every model here is lenient (unknown
@@ -162,3 +163,16 @@ class ModelCard(_Wire):
 class ModelList(_Wire):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+# token ids --------------------------------------------------------------------------------------------
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token id lists: how much of a new prompt the receiver
+    already holds (the engine's session cache, the gateway's last sequence of an agent)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a prompt extending what is held) at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:  # a mismatch lies before n
+        i += 1
+    return i

@@ -63,7 +63,7 @@ from engines.gateway.protocol import (
 )
 from engines.gateway.registry import Agent, Execution, Registry
 from engines.gateway.router import EngineResult, Router
-from engines.protocol import EngineCompletionRequest, GyreChoice
+from engines.protocol import EngineCompletionRequest, GyreChoice, common_prefix
 from trajectory_store.recorder import Recorder
 from trajectory_store.schema import RecordError, Role
 from trajectory_store.storage import Store
@@ -359,7 +359,7 @@ class Gateway:
                 raise GatewayError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
         agent = self.agent(execution, agent_id)
         async with agent.route.lock:
-            known = _common_prefix(agent.last_sequence, prompt_ids)
+            known = common_prefix(agent.last_sequence, prompt_ids)
             outcome = await self._call(execution, agent, role, prompt_ids, request, known)
         logprobs = None
         if request.logprobs is not None:
@@ -617,16 +617,6 @@ class Gateway:
 def _check_sampling(request: SamplingFields) -> None:
     if request.n != 1:
         raise GatewayError(400, "n > 1 is not supported: send n requests", param="n")
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _quantile(sorted_values: list[float], q: float) -> float | None:

@@ -88,13 +88,3 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a prompt extending the cache) at C speed
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
