@@ -4,8 +4,9 @@
     gyre traj import FILE.jsonl [--step N]             JSONL interchange -> delta-encoded Parquet
     gyre traj export OUT.jsonl                         the store -> JSONL (full prompts, exact)
     gyre traj stats [--format table|json]              per-execution figures
+    gyre traj check [--quarantine]                     read every part; move unreadable ones aside
     gyre traj sample OUT.jsonl [--preset sample]       write a synthetic paper-shaped trace
-    gyre sql [--format table|csv|json] "SQL"           query the views
+    gyre sql [--format table|csv|json] "SQL"           query the views (read-only: queries only)
     gyre bench store [--quick]                         the storage benchmark
     gyre bench train [--quick]                         the training benchmark
     gyre bench engine [--quick]                        rollout engine vs HF generate, KV migration, gateway overhead
@@ -23,8 +24,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from flows import agents_cli, settings
+
+if TYPE_CHECKING:
+    from tasks.trajectory import CheckSummary
 
 VIEWS_HELP = (
     "views: executions, calls, call_prompts, tree_nodes, trajectories, selected_trajectories, training_nodes, "
@@ -69,11 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     stats = traj_commands.add_parser("stats", help="per-execution token, tree and storage figures")
     _store_options(stats)
     stats.add_argument("--format", choices=["table", "json"], default="table")
+    check = traj_commands.add_parser(
+        "check", help="read every part whole; list the unreadable ones (--quarantine moves them aside)"
+    )
+    _store_options(check)
+    check.add_argument(
+        "--quarantine",
+        action="store_true",
+        help="move unreadable parts under <campaign>/quarantine/parts/ (never deleted) so the rest is queryable",
+    )
     sample = traj_commands.add_parser("sample", help="write a synthetic, paper-shaped trace as JSONL")
     sample.add_argument("out")
     sample.add_argument("--preset", choices=["sample", "quick", "full"], default="sample")
 
-    sql = commands.add_parser("sql", help="run SQL over the trajectory views", epilog=VIEWS_HELP)
+    sql = commands.add_parser(
+        "sql",
+        help="run read-only SQL over the trajectory views",
+        epilog=VIEWS_HELP
+        + ". Read-only: queries only (no COPY, ATTACH, INSTALL, CREATE, SET; no other files).",
+    )
     _store_options(sql)
     sql.add_argument("--format", choices=["table", "csv", "json"], default="table")
     sql.add_argument("query")
@@ -217,6 +236,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             result = t.run_sql.fn(store, t.SelectionConfig(), args.query)
         except duckdb.Error as error:
             print(f"gyre: SQL error: {error}", file=sys.stderr)
+            if isinstance(error, duckdb.PermissionException):
+                print(
+                    "gyre: gyre sql is read-only: it reads the campaign's views and no other file",
+                    file=sys.stderr,
+                )
             print(f"gyre: {VIEWS_HELP}", file=sys.stderr)
             return 2
         from flows.format import render
@@ -229,6 +253,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             f"imported {summary.executions} executions, {summary.calls} calls into {store.data_root} "
             f"(campaign {store.campaign}): {summary.naive_tokens} tokens as sent, {summary.unique_tokens} unique"
             + (f" ({summary.naive_tokens / summary.unique_tokens:.1f}x)" if summary.unique_tokens else "")
+            + (f"; {summary.unchanged} record(s) were already stored, unchanged" if summary.unchanged else "")
         )
         if summary.quarantined:
             for error in summary.errors:
@@ -244,6 +269,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         counts = t.export_trace.fn(store, args.out)
         print(f"exported {counts['executions']} executions, {counts['calls']} calls to {args.out}")
         return 0
+    if args.traj_command == "check":
+        return _check(t.check_store.fn(store, args.quarantine))
     if args.traj_command == "stats":
         result = t.execution_stats.fn(store, t.SelectionConfig())
         if args.format == "json":
@@ -254,6 +281,31 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(render(result.columns, result.rows))
         return 0
     raise ValueError(f"unknown command {args.command!r}")
+
+
+def _check(summary: CheckSummary) -> int:
+    """Prints one line per unreadable part and one summing up; 0 when every part reads (or moved)."""
+    total = sum(summary.parts.values())
+    for problem in summary.problems:
+        line = f"{problem.url}: unreadable {problem.kind} part: {problem.reason}"
+        if problem.part in summary.quarantined:
+            line += f" -> moved to {summary.quarantined[problem.part] or '(nothing: it was missing)'}"
+        print(line)
+    if not summary.problems:
+        print("every part reads whole (" + ", ".join(f"{k} {n}" for k, n in summary.parts.items()) + ")")
+        return 0
+    if summary.quarantined:
+        print(
+            f"{len(summary.quarantined)} of {total} parts quarantined under quarantine/parts/ (kept, with the reason); "
+            "the rest is queryable"
+        )
+        return 0 if len(summary.quarantined) == len(summary.problems) else 1
+    print(
+        f"{len(summary.problems)} of {total} parts unreadable; `gyre traj check --quarantine` moves them under "
+        "quarantine/parts/ so the rest is queryable",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _model(args: argparse.Namespace) -> int:

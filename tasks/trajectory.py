@@ -1,4 +1,5 @@
-"""Prefect tasks over the trajectory store: import, rebuild trees, select, pack, inspect with SQL.
+"""Prefect tasks over the trajectory store: import, rebuild trees, select, pack, inspect with SQL
+(read-only), check the stored parts.
 
 Each task is named after what it processes, takes typed configs, returns a typed summary and is
 safe to retry: every write derives its key from ids, so a retried task rewrites the same objects.
@@ -15,8 +16,9 @@ from prefect import task
 from pydantic import BaseModel
 
 from trajectory_store.config import PackingConfig, SelectionConfig
-from trajectory_store.db import connect, tree_counts, verify_prompts
+from trajectory_store.db import connect, read_only_query, tree_counts, verify_prompts
 from trajectory_store.interchange import export_jsonl, import_jsonl
+from trajectory_store.parts import check_parts, naming_bad_parts, quarantine_parts
 from trajectory_store.processor import batch_to_table, pack
 from trajectory_store.storage import Store, StoreConfig
 from trajectory_store.synth import generate as generate_trace
@@ -51,6 +53,7 @@ class ImportSummary(BaseModel):
     naive_tokens: int
     unique_tokens: int
     quarantined: int
+    unchanged: int  # records the store already held exactly (a re-import): not written again
     errors: list[str]
 
 
@@ -95,6 +98,7 @@ def import_trace(path: str, store: StoreConfig, step: int | None = None) -> Impo
         naive_tokens=report.naive_tokens,
         unique_tokens=report.unique_tokens,
         quarantined=report.quarantined,
+        unchanged=report.unchanged,
         errors=report.errors,
     )
 
@@ -107,17 +111,21 @@ def export_trace(store: StoreConfig, out_path: str) -> dict[str, int]:
 @task(name="rebuild-trees", task_run_name="rebuild trees of {store.campaign}", retries=1)
 def rebuild_trees(store: StoreConfig, selection: SelectionConfig) -> TreeSummary:
     """Rebuilds every call's prompt (checked against context_hash) and counts the trees."""
-    con = connect(Store(store), selection)
-    return TreeSummary(prompts_verified=verify_prompts(con), **tree_counts(con))
+    target = Store(store)
+    con = connect(target, selection)
+    with naming_bad_parts(target):
+        return TreeSummary(prompts_verified=verify_prompts(con), **tree_counts(con))
 
 
 @task(name="select-trajectories", task_run_name="select trajectories of {store.campaign}")
 def select_trajectories(store: StoreConfig, selection: SelectionConfig) -> SelectionSummary:
-    con = connect(Store(store), selection)
-    by_role = dict(
-        con.sql("SELECT role, count(*) FROM selected_trajectories GROUP BY ALL ORDER BY 1").fetchall()
-    )
-    tokens = con.execute("SELECT count(*) FROM training_tokens").fetchall()[0][0]
+    target = Store(store)
+    con = connect(target, selection)
+    with naming_bad_parts(target):
+        by_role = dict(
+            con.sql("SELECT role, count(*) FROM selected_trajectories GROUP BY ALL ORDER BY 1").fetchall()
+        )
+        tokens = con.execute("SELECT count(*) FROM training_tokens").fetchall()[0][0]
     return SelectionSummary(selected=sum(by_role.values()), by_role=by_role, training_tokens=tokens)
 
 
@@ -127,7 +135,8 @@ def pack_step(
 ) -> PackSummary:
     """Packs one step's training trees and writes them to batches/step=<n>/packed.parquet."""
     target = Store(store)
-    batch = pack(connect(target, selection), packing, step=step)
+    with naming_bad_parts(target):
+        batch = pack(connect(target, selection), packing, step=step)
     buffer = io.BytesIO()
     pq.write_table(batch_to_table(batch, step), buffer, compression=store.compression)
     path = target.path(f"batches/step={step}/packed.parquet")
@@ -150,11 +159,40 @@ def execution_stats(store: StoreConfig, selection: SelectionConfig) -> QueryResu
 
 @task(name="run-sql", task_run_name="sql on {store.campaign}")
 def run_sql(store: StoreConfig, selection: SelectionConfig, sql: str) -> QueryResult:
-    con = connect(Store(store), selection)
-    relation = con.sql(sql)
-    if relation is None:  # a statement without a result (CREATE, SET, ...)
-        return QueryResult(columns=[], rows=[])
-    return QueryResult(columns=list(relation.columns), rows=[list(r) for r in relation.fetchall()])
+    """Runs queries over the views, read-only: any statement that could change something is refused."""
+    target = Store(store)
+    con = connect(target, selection, read_only=True)
+    with naming_bad_parts(target):
+        relation = read_only_query(con, sql)
+        if relation is None:  # never for a query; kept so a result-less statement cannot crash
+            return QueryResult(columns=[], rows=[])
+        return QueryResult(columns=list(relation.columns), rows=[list(r) for r in relation.fetchall()])
+
+
+class PartProblemSummary(BaseModel):
+    kind: str
+    part: str
+    url: str
+    reason: str
+
+
+class CheckSummary(BaseModel):
+    parts: dict[str, int]  # parts read per dataset
+    problems: list[PartProblemSummary]  # the unreadable ones
+    quarantined: dict[str, str | None]  # part -> where it was moved (None: it was missing)
+
+
+@task(name="check-store", task_run_name="check the parts of {store.campaign}")
+def check_store(store: StoreConfig, quarantine: bool = False) -> CheckSummary:
+    """Reads every visible part whole; with ``quarantine``, moves unreadable parts aside."""
+    target = Store(store)
+    problems, counts = check_parts(target)
+    moved = quarantine_parts(target, problems) if quarantine else []
+    return CheckSummary(
+        parts=counts,
+        problems=[PartProblemSummary(kind=p.kind, part=p.part, url=p.url, reason=p.reason) for p in problems],
+        quarantined={entry["part"]: entry["moved_to"] for entry in moved},
+    )
 
 
 @task(name="example-queries", task_run_name="example queries on {store.campaign}")

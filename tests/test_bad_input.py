@@ -5,6 +5,7 @@ later calls of the same execution delta-encode against the calls that did land).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,6 +167,33 @@ def test_token_at_vocab_size_is_accepted_without_a_vocab_size(sample_lines, tmp_
     report = import_jsonl(Store(StoreConfig(data_root=str(tmp_path / "data"))), str(path))
 
     assert report.quarantined == 0 and report.calls == 55
+
+
+def test_a_huge_garbage_line_is_quarantined_as_its_head_and_size(sample_lines, tmp_path):
+    """A line that does not parse keeps its first 4 KiB, its size and its hash, never all of it."""
+    from trajectory_store.interchange import RAW_HEAD_BYTES
+
+    garbage = ("no json here: " + "x" * 97 + "\u00e9") * 30_000  # ~3.4 MB, the last char two bytes in UTF-8
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join([*sample_lines[:2], garbage, *sample_lines[2:]]) + "\n")
+    config = StoreConfig(data_root=str(tmp_path / "data"), campaign="big")
+    line = (garbage + "\n").encode()
+
+    report = import_jsonl(Store(config), str(path))
+
+    assert report.quarantined == 1 and report.calls == 55 and report.executions == 4
+    assert f"{path}:3: not valid JSON" in report.errors[0]
+    store = Store(config)
+    [entry] = store.quarantined()
+    record = entry["record"]
+    assert entry["line"] == 3
+    assert record["raw_bytes"] == len(line) > 3_000_000
+    assert record["raw_truncated"] is True
+    assert record["raw"] == line[:RAW_HEAD_BYTES].decode(errors="replace")
+    assert record["raw_sha256"] == hashlib.sha256(line).hexdigest()
+    quarantine_bytes = sum(f.stat().st_size for f in Path(store.path("quarantine")).rglob("*") if f.is_file())
+    assert quarantine_bytes < 3 * RAW_HEAD_BYTES
+    assert store.read_table("calls").num_rows == 55
 
 
 # -- the recorder API ------------------------------------------------------------------------------

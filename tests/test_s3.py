@@ -139,3 +139,77 @@ def test_bucket_holds_only_committed_parts_and_manifests_and_reimport_is_idempot
     assert report.quarantined == 0
     assert bucket_keys(endpoint, bucket) == first  # same keys, same sizes
     assert {kind: store.read_table(kind).num_rows for kind in ("executions", "calls")} == rows
+
+
+def bucket_etags(endpoint: str, bucket: str) -> dict[str, str]:
+    """Every key with its ETag (the MD5 of its bytes here): any rewrite of an object shows."""
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    etags: dict[str, str] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        etags.update({obj["Key"]: obj["ETag"] for obj in page.get("Contents", [])})
+    return etags
+
+
+def test_sql_on_s3_is_read_only(s3_bucket, cli_env, capsys):
+    """The views read the bucket through the registered s3fs filesystem, and nothing can write it."""
+    import duckdb
+
+    from flows.cli import main
+
+    endpoint, bucket = s3_bucket
+    store_args = ["--data-root", f"s3://{bucket}/p", "--s3-endpoint-url", endpoint]
+    assert main(["traj", "import", str(SAMPLE), *store_args]) == 0
+    store = Store(StoreConfig(data_root=f"s3://{bucket}/p", s3_endpoint_url=endpoint))
+    part = store.url(store.visible_parts("calls")[0])
+    before = bucket_etags(endpoint, bucket)
+    capsys.readouterr()
+
+    copy = f"COPY (SELECT * FROM calls WHERE call_id = 0) TO '{part}' (FORMAT parquet, USE_TMP_FILE false)"
+    assert main(["sql", *store_args, copy]) == 2
+    assert "gyre sql is read-only: refused COPY" in capsys.readouterr().err
+    con = connect(store, read_only=True)
+    with pytest.raises(duckdb.PermissionException):
+        con.execute(f"COPY (SELECT 1 AS a) TO 's3://{bucket}/p/elsewhere.parquet'")
+    with pytest.raises(duckdb.PermissionException):
+        con.execute(f"SELECT * FROM read_parquet('s3://{bucket}/p/campaigns/default/manifests/*')")
+
+    assert bucket_etags(endpoint, bucket) == before
+    assert con.execute("SELECT count(*) FROM training_tokens").fetchall()[0][0] > 0
+    assert main(["sql", *store_args, "--format", "json", "SELECT count(*) AS n FROM calls"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"n": 55}]
+
+
+def test_a_corrupt_part_on_s3_is_named_and_quarantined(s3_bucket, tmp_path):
+    from trajectory_store.parts import check_parts, quarantine_parts
+    from trajectory_store.storage import StoreError
+
+    endpoint, bucket = s3_bucket
+    store = Store(StoreConfig(data_root=f"s3://{bucket}/runs", s3_endpoint_url=endpoint, campaign="c1"))
+    records = read_jsonl(SAMPLE)
+    for step, problem in ((0, "p0"), (1, "p1")):
+        path = tmp_path / f"{problem}.jsonl"
+        path.write_text(
+            "".join(json.dumps(r) + "\n" for r in records if r["execution_id"].startswith(problem))
+        )
+        assert import_jsonl(store, str(path), step).quarantined == 0
+    [part] = [p for p in store.visible_parts("calls") if "/step=1/" in p]
+    good = store.read_bytes(part)
+    store.fs.pipe_file(part, good[:4] + b"\x17" * 296 + good[300:])  # garbage over the first page header
+
+    with pytest.raises(StoreError, match="unreadable calls part") as raised:
+        connect(store)
+    assert store.url(part) in str(raised.value)
+    problems, counts = check_parts(store)
+    assert [p.url for p in problems] == [store.url(part)] and counts["calls"] == 2
+
+    [entry] = quarantine_parts(store, problems)
+
+    keys = bucket_etags(endpoint, bucket)
+    assert part.split("/", 1)[1] not in keys  # moved, so the views no longer read it
+    moved = f"runs/campaigns/c1/{entry['moved_to']}"
+    assert moved in keys and store.read_bytes(f"{bucket}/{moved}") == good[:4] + b"\x17" * 296 + good[300:]
+    counts = (
+        connect(store).sql("SELECT execution_id, count(*) FROM calls GROUP BY ALL ORDER BY ALL").fetchall()
+    )
+    assert counts == [("p0-e0", 13), ("p0-e1", 16)]
+    assert check_parts(store)[0] == []

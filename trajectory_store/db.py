@@ -7,17 +7,26 @@ Views (trajectory_store/sql/*.sql, run in name order): executions, calls, metric
 call_prompts, policy_spans, tree_nodes, call_path_policy, trajectories, selected_trajectories,
 training_nodes, training_tokens, execution_stats. Selection settings live in the small tables
 selection_config, role_priority and trainable_statuses, which users can read too.
+
+``connect(store, read_only=True)`` + ``read_only_query`` is what `gyre sql` runs user SQL on: the
+views and nothing else (no file written or read beside the parts, no database attached, no
+extension, no setting changed back). ``verify_prompts`` and ``tree_counts`` are the checks and
+figures of the rebuild-trees task. A read that fails because a part is unreadable raises a
+StoreError naming the part (parts.py).
 """
 
 from __future__ import annotations
 
+import re
 from importlib import resources
+from typing import Any
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
 from trajectory_store.config import SelectionConfig
+from trajectory_store.parts import REQUIRED_COLUMNS, bare_connection, naming_bad_parts
 from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, RecordError, context_hash
 from trajectory_store.storage import KINDS, Store
 
@@ -39,25 +48,9 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-# Validation on read: what every stored row must hold (the Parquet files are read as they are).
-_REQUIRED = {
-    "calls": (
-        "execution_id",
-        "call_id",
-        "role",
-        "prefix_len",
-        "new_ids",
-        "prompt_len",
-        "output_len",
-        "context_hash",
-    ),
-    "executions": ("execution_id", "status"),
-    "metrics": ("step", "name", "value"),
-}
-
-
 def _check_stored(con: duckdb.DuckDBPyConnection) -> None:
-    for kind, required in _REQUIRED.items():
+    """Validation on read, over every part at once: the first row this gyrerl cannot use, named."""
+    for kind, required in REQUIRED_COLUMNS.items():
         missing = " OR ".join(f"{column} IS NULL" for column in required)
         bad = con.execute(
             f"SELECT filename, schema_version, {', '.join(required)} FROM {kind}_raw "
@@ -73,47 +66,109 @@ def _check_stored(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def connect(
-    store: Store, selection: SelectionConfig | None = None, *, threads: int | None = None
+    store: Store,
+    selection: SelectionConfig | None = None,
+    *,
+    threads: int | None = None,
+    read_only: bool = False,
 ) -> duckdb.DuckDBPyConnection:
+    """A connection with the views over the parts visible now.
+
+    read_only: once the views exist, the connection may read those parts and nothing else: no file
+    written (COPY, EXPORT), no database attached, no extension installed or loaded, no other file
+    read, and no SET that would undo it (DuckDB's enable_external_access off, allowed_paths = the
+    parts, lock_configuration on). `gyre sql` runs user SQL on such a connection, through
+    read_only_query, which also refuses every statement but a query.
+    """
     selection = selection or SelectionConfig()
-    config = {"autoinstall_known_extensions": "false", "autoload_known_extensions": "false"}
-    if threads:
-        config["threads"] = str(threads)
-    con = duckdb.connect(":memory:", config=config)
-    if not store.is_local:
-        # s3:// (and any other fsspec protocol) is read through the store's own filesystem object,
-        # so DuckDB uses the same endpoint and credentials and never needs the httpfs extension.
-        con.register_filesystem(store.fs)
-    for kind in KINDS:
-        parts = [store.url(p) for p in store.visible_parts(kind)]
-        if parts:
-            listing = ", ".join(_quote(p) for p in parts)
-            columns = ", ".join(SCHEMAS[kind].names)
-            con.execute(
-                f"CREATE OR REPLACE VIEW {kind}_raw AS SELECT {columns}, filename "
-                f"FROM read_parquet([{listing}], union_by_name=true, filename=true)"
-            )
-        else:
-            empty: pa.Table = SCHEMAS[kind].empty_table().append_column("filename", pa.array([], pa.string()))
-            con.register(f"{kind}_empty", empty)
-            con.execute(f"CREATE OR REPLACE TABLE {kind}_raw AS SELECT * FROM {kind}_empty")
-            con.unregister(f"{kind}_empty")
-    _check_stored(con)
-    con.execute(
-        "CREATE TABLE selection_config AS SELECT ?::BIGINT AS j_max, ?::BIGINT AS seed",
-        [selection.j_max, selection.seed],
-    )
-    con.execute("CREATE TABLE role_priority (role VARCHAR, priority INTEGER)")
-    con.executemany(
-        "INSERT INTO role_priority VALUES (?, ?)", [[r, i] for i, r in enumerate(selection.role_priority)]
-    )
-    con.execute("CREATE TABLE trainable_statuses (status VARCHAR)")
-    con.executemany("INSERT INTO trainable_statuses VALUES (?)", [[s] for s in selection.trainable_statuses])
-    sql_dir = resources.files("trajectory_store") / "sql"
-    for entry in sorted(sql_dir.iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".sql"):
-            con.execute(entry.read_text())
+    con = bare_connection(store, threads=threads)
+    readable: list[str] = []
+    with naming_bad_parts(store):
+        for kind in KINDS:
+            parts = [store.url(p) for p in store.visible_parts(kind)]
+            readable += parts
+            if parts:
+                listing = ", ".join(_quote(p) for p in parts)
+                columns = ", ".join(SCHEMAS[kind].names)
+                con.execute(
+                    f"CREATE OR REPLACE VIEW {kind}_raw AS SELECT {columns}, filename "
+                    f"FROM read_parquet([{listing}], union_by_name=true, filename=true)"
+                )
+            else:
+                empty = SCHEMAS[kind].empty_table().append_column("filename", pa.array([], pa.string()))
+                con.register(f"{kind}_empty", empty)
+                con.execute(f"CREATE OR REPLACE TABLE {kind}_raw AS SELECT * FROM {kind}_empty")
+                con.unregister(f"{kind}_empty")
+        _check_stored(con)
+        con.execute(
+            "CREATE TABLE selection_config AS SELECT ?::BIGINT AS j_max, ?::BIGINT AS seed",
+            [selection.j_max, selection.seed],
+        )
+        con.execute("CREATE TABLE role_priority (role VARCHAR, priority INTEGER)")
+        con.executemany(
+            "INSERT INTO role_priority VALUES (?, ?)", [[r, i] for i, r in enumerate(selection.role_priority)]
+        )
+        con.execute("CREATE TABLE trainable_statuses (status VARCHAR)")
+        con.executemany(
+            "INSERT INTO trainable_statuses VALUES (?)", [[s] for s in selection.trainable_statuses]
+        )
+        sql_dir = resources.files("trajectory_store") / "sql"
+        for entry in sorted(sql_dir.iterdir(), key=lambda e: e.name):
+            if entry.name.endswith(".sql"):
+                con.execute(entry.read_text())
+    if read_only:
+        _lock(con, readable)
     return con
+
+
+def _lock(con: duckdb.DuckDBPyConnection, readable: list[str]) -> None:
+    # allowed_paths lets the views read their parts once external access is off; it would let a
+    # COPY write them too, which is why read_only_query admits queries only. The order matters:
+    # each setting is refused once the one after it is on.
+    if readable:
+        con.execute(f"SET allowed_paths = [{', '.join(_quote(p) for p in readable)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+class ReadOnlyError(ValueError):
+    """A statement that `gyre sql` refuses because it could change something."""
+
+
+_QUERY_STATEMENTS = "SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN"
+
+
+def read_only_query(con: duckdb.DuckDBPyConnection, sql: str) -> duckdb.DuckDBPyRelation | None:
+    """Runs ``sql`` if every statement in it is a query; the result of the last one.
+
+    DuckDB types DESCRIBE, SHOW and SUMMARIZE as SELECT. EXPLAIN ANALYZE runs its statement, so an
+    EXPLAIN passes only when what it explains is a query; anything that does not parse as one
+    (options, comments before EXPLAIN) is refused rather than guessed at.
+    """
+    for statement in con.extract_statements(sql):
+        if not _is_query(con, statement):
+            text = " ".join(statement.query.split()).rstrip(";")
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            raise ReadOnlyError(
+                f"gyre sql is read-only: refused {statement.type.name} statement {shown!r}; "
+                f"it runs queries ({_QUERY_STATEMENTS}) over the views"
+            )
+    return con.sql(sql)
+
+
+def _is_query(con: duckdb.DuckDBPyConnection, statement: Any) -> bool:
+    if statement.type == duckdb.StatementType.SELECT:
+        return True
+    if statement.type != duckdb.StatementType.EXPLAIN:
+        return False
+    explained = re.match(r"\s*EXPLAIN\s+(?:ANALY[SZ]E\s+)?(.*)", statement.query, re.IGNORECASE | re.DOTALL)
+    if explained is None:
+        return False
+    try:
+        inner = con.extract_statements(explained.group(1))
+    except duckdb.Error:
+        return False
+    return bool(inner) and all(s.type == duckdb.StatementType.SELECT for s in inner)
 
 
 def verify_prompts(con: duckdb.DuckDBPyConnection) -> int:

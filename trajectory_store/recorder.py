@@ -8,7 +8,9 @@
 
 Each call is stored as a delta against the earlier call of the same execution that shares the
 longest prefix with it (see prefix.py). A record that fails validation is quarantined with its
-reason, the error is raised to the caller, and everything valid is still written.
+reason, the error is raised to the caller, and everything valid is still written. A guard (the
+JSONL import passes one: interchange.StoredExecutions) can refuse a valid record the same way, e.g.
+one that would change what the store already holds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +56,15 @@ class FlushReport:
     manifest: str | None = None
 
 
+class RecordGuard(Protocol):
+    """Checks a validated record before it is recorded: raises RecordError to refuse it, returns
+    True when the store already holds it exactly (it is then not written again)."""
+
+    def check_call(self, call: CallRecord, call_id: int, step: int) -> bool: ...
+
+    def check_execution(self, record: ExecutionRecord, step: int) -> bool: ...
+
+
 @dataclass
 class _ExecutionState:
     index: PrefixIndex = field(default_factory=PrefixIndex)
@@ -64,9 +75,18 @@ class _ExecutionState:
 class Recorder:
     """Thread-safe; one instance per (campaign, step)."""
 
-    def __init__(self, store: Store, step: int, *, flush_calls: int = 2048, flush_tokens: int = 8_000_000):
+    def __init__(
+        self,
+        store: Store,
+        step: int,
+        *,
+        flush_calls: int = 2048,
+        flush_tokens: int = 8_000_000,
+        guard: RecordGuard | None = None,
+    ):
         self.store = store
         self.step = step
+        self.guard = guard
         self.flush_calls = flush_calls
         self.flush_tokens = flush_tokens
         self._lock = threading.RLock()
@@ -146,9 +166,14 @@ class Recorder:
                 call_id=call_id,
                 field="call_id",
             )
+        stored = self.guard is not None and self.guard.check_call(call, call_id, self.step)
         attachment, new_ids = state.index.insert(call_id, sequence)
         state.next_call_id = call_id + 1
         state.hashes[call_id] = sequence_hash
+        if stored:  # indexed, so later calls delta-encode against it, but not written again
+            return RecordedCall(
+                call.execution_id, call_id, attachment.parent_call_id, attachment.prefix_len, 0, prompt_hash
+            )
         self._call_rows.append(
             {
                 "execution_id": call.execution_id,
@@ -192,9 +217,12 @@ class Recorder:
     def record_execution_dict(self, raw: dict[str, Any], *, source: dict[str, Any] | None = None) -> None:
         try:
             record = validate_execution(raw)
+            stored = self.guard is not None and self.guard.check_execution(record, self.step)
         except RecordError as error:
             self.reject(error, raw, source)
             raise
+        if stored:
+            return
         with self._lock:
             self._execution_rows[record.execution_id] = record
 
@@ -221,7 +249,9 @@ class Recorder:
             if self._execution_rows:
                 ordered = [self._execution_row(self._execution_rows[k]) for k in sorted(self._execution_rows)]
                 table = pa.Table.from_pylist(ordered, schema=EXECUTIONS_SCHEMA)
-                key = ids_key([(r["execution_id"], r["status"], r["reward"], r["n_calls"]) for r in ordered])
+                # the key covers every field: a re-recorded row (a later status, a new reward) is a
+                # new part beside the old one, never an overwrite of it (the view keeps the latest)
+                key = ids_key([tuple(r.values()) for r in ordered])
                 parts["executions"] = [self.store.write_part("executions", self.step, table, key)]
                 rows["executions"] = report.executions = len(ordered)
             if self._quarantine:

@@ -7,12 +7,15 @@ Layout under ``<data_root>/campaigns/<campaign>/``::
     metrics/step=<n>/part-<key>.parquet      metrics
     manifests/step=<n>/<key>.json            written LAST: lists the parts a flush made visible
     quarantine/step=<n>/<key>.jsonl          records that failed validation, with the reason
+    quarantine/parts/<kind>/step=<n>/…       unreadable parts moved aside by `gyre traj check
+                                             --quarantine`, each with a .json saying why (parts.py)
     snapshots/<execution_id>.tar.gz          workspace snapshots (later issues)
 
 Readers only see parts listed by a manifest, so a crash between writes leaves nothing partial
 visible. Keys derive from ids (never time or randomness): writing the same rows twice writes the
 same objects again, and one copy stays. Each object is written whole: a temporary name plus a
-rename on a local disk, a single PUT on S3.
+rename on a local disk, a single PUT on S3. A committed part is never replaced by other content:
+the same key with other rows is an error (StoreError), not an overwrite.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ from pydantic import BaseModel, Field
 from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, check_table
 
 KINDS = ("executions", "calls", "metrics")
+QUARANTINED_PARTS = "quarantine/parts"  # under the campaign folder
+
+
+class StoreError(ValueError):
+    """The store itself (an object, not one record) cannot be read or written as asked; names it."""
 
 
 class StoreConfig(BaseModel):
@@ -128,15 +136,48 @@ class Store:
 
     # -- datasets ----------------------------------------------------------------------------
     def write_part(self, kind: str, step: int, table: pa.Table, key: str) -> str:
-        """Writes one Parquet part; returns its path relative to the campaign folder."""
+        """Writes one Parquet part; returns its path relative to the campaign folder.
+
+        Writing a part that exists with the same rows is a no-op (a retried flush); a committed part
+        with other rows is never overwritten (StoreError), since its rows would silently vanish.
+        """
         if kind not in SCHEMAS:
             raise ValueError(f"unknown dataset {kind!r}; expected one of {sorted(SCHEMAS)}")
         table = table.cast(SCHEMAS[kind])
         buffer = io.BytesIO()
-        pq.write_table(table, buffer, compression=self.config.compression)
+        # page checksums let `gyre traj check` find flipped bits that would otherwise decode quietly
+        pq.write_table(table, buffer, compression=self.config.compression, write_page_checksum=True)
         rel = f"{kind}/step={step}/part-{key}.parquet"
-        self.write_bytes(self.path(rel), buffer.getvalue())
+        path = self.path(rel)
+        data = buffer.getvalue()
+        if self.exists(path) and not self._may_replace(rel, table, data):
+            return rel
+        self.write_bytes(path, data)
         return rel
+
+    def _may_replace(self, rel: str, table: pa.Table, data: bytes) -> bool:
+        """For a part that exists: False if it already holds these rows, True if it was never
+        committed (a crash before its manifest), else StoreError."""
+        existing = self.read_bytes(self.path(rel))
+        if existing == data:
+            return False
+        unreadable = None
+        try:
+            if pq.read_table(io.BytesIO(existing)).equals(table):
+                return False
+        except (OSError, pa.ArrowException) as error:
+            unreadable = str(error).splitlines()[0]
+        if rel not in {r for m in self.manifests() for paths in m["files"].values() for r in paths}:
+            return True
+        if unreadable:
+            raise StoreError(
+                f"{self.url(self.path(rel))}: this committed part cannot be read ({unreadable}); "
+                "`gyre traj check --quarantine` moves it aside, then write it again"
+            )
+        raise StoreError(
+            f"{self.url(self.path(rel))}: this part is committed with other rows; refusing to "
+            "overwrite it (the same ids were written with different content)"
+        )
 
     def commit(self, step: int, parts: dict[str, list[str]], rows: dict[str, int]) -> str:
         """Writes the manifest that makes ``parts`` visible. Call it after every part is written."""
@@ -155,13 +196,22 @@ class Store:
         for path in sorted(self.fs.find(base)):
             if not path.endswith(".json"):
                 continue  # a temporary file left by a crash is not a manifest
-            found.append(json.loads(self.read_bytes(path)))
+            try:
+                found.append(json.loads(self.read_bytes(path)))
+            except ValueError as error:
+                raise StoreError(f"{self.url(path)}: manifest is not valid JSON ({error})") from None
         return found
 
-    def visible_parts(self, kind: str) -> list[str]:
-        """Paths (full, for this filesystem) of the parts that committed manifests list."""
+    def committed_parts(self, kind: str) -> list[str]:
+        """Paths of every part a manifest lists, quarantined or not."""
         rels = sorted({rel for m in self.manifests() for rel in m["files"].get(kind, [])})
         return [self.path(rel) for rel in rels]
+
+    def visible_parts(self, kind: str) -> list[str]:
+        """Paths (full, for this filesystem) of the parts that committed manifests list, less the
+        ones moved to quarantine (a part written again at its path after that is visible again)."""
+        hidden = {self.path(entry["part"]) for entry in self.quarantined_parts() if entry["kind"] == kind}
+        return [path for path in self.committed_parts(kind) if path not in hidden or self.exists(path)]
 
     def steps(self) -> list[int]:
         return sorted({int(m["step"]) for m in self.manifests()})
@@ -188,6 +238,7 @@ class Store:
         return rel
 
     def quarantined(self) -> list[dict[str, Any]]:
+        """The quarantined records (not parts), each with its reason."""
         base = self.path("quarantine")
         if not self.fs.exists(base):
             return []
@@ -198,6 +249,22 @@ class Store:
                     json.loads(line) for line in self.read_bytes(path).decode().splitlines() if line
                 )
         return entries
+
+    def quarantined_parts(self) -> list[dict[str, Any]]:
+        """The parts moved aside (parts.quarantine_parts): part, kind, reason, moved_to, size."""
+        base = self.path(QUARANTINED_PARTS)
+        if not self.fs.exists(base):
+            return []
+        return [json.loads(self.read_bytes(p)) for p in sorted(self.fs.find(base)) if p.endswith(".json")]
+
+    def move(self, src: str, dst: str) -> None:
+        """Moves an object within the store: a rename locally; a copy, then a delete, elsewhere."""
+        if self.is_local:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.replace(src, dst)
+        else:
+            self.fs.copy(src, dst)
+            self.fs.rm_file(src)
 
 
 def _json_default(value: Any) -> Any:
