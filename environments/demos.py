@@ -29,7 +29,7 @@ def demonstration(problem: Problem, config: HarnessConfig | None = None) -> list
         actions.append({"tool": "finish", "arguments": {"summary": "done"}})
     with tempfile.TemporaryDirectory(prefix="gyre-demo-") as root:
         sandbox = Sandbox.create(root, "workspace", problem.files, config.limits)
-        harness = Harness(None, sandbox, problem, config)  # no client: only its tools are used
+        harness = Harness(None, sandbox, problem.public(), config)  # no client: only its tools are used
         for index, action in enumerate(actions):
             call_id = f"call_{index}"
             arguments = action.get("arguments", {})

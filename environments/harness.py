@@ -36,8 +36,9 @@ from typing import Any
 
 import openai
 
-from environments.problems import Problem
+from environments.problems import PublicProblem
 from environments.sandbox import Sandbox, SandboxLimits, SandboxViolation
+from environments.tools import TOOL_NAMES, TOOL_SPECS
 
 SYSTEM_PROMPT = (
     "You are a coding agent working in a sandboxed workspace. Use the tools to inspect and change files "
@@ -50,7 +51,8 @@ SUMMARY_REQUEST = (
 NUDGE = "Reply with exactly one tool call. Call finish when the task is done."
 
 
-def _tool(name: str, description: str, **properties: str) -> dict[str, Any]:
+def _tool(name: str) -> dict[str, Any]:
+    description, arguments = TOOL_SPECS[name]
     return {
         "type": "function",
         "function": {
@@ -59,23 +61,15 @@ def _tool(name: str, description: str, **properties: str) -> dict[str, Any]:
             "parameters": {
                 "type": "object",
                 "properties": {
-                    key: {"type": "string", "description": text} for key, text in properties.items()
+                    key: {"type": "string", "description": text} for key, text in arguments.items()
                 },
-                "required": list(properties),
+                "required": list(arguments),
             },
         },
     }
 
 
-TOOLS = [
-    _tool("list_files", "list the files under a folder of the workspace", path="folder, '.' for all"),
-    _tool("read_file", "read a text file of the workspace", path="relative path"),
-    _tool("write_file", "create or replace a text file", path="relative path", content="the whole file"),
-    _tool("run", "run a shell command in the workspace", command="a bash command"),
-    _tool("run_tests", "run the problem's visible tests"),
-    _tool("delegate", "give a sub-task to a sub-agent with a fresh context", instruction="the sub-task"),
-    _tool("finish", "end the work", summary="what was done"),
-]
+TOOLS = [_tool(name) for name in TOOL_NAMES]
 SUB_AGENT_TOOLS = [t for t in TOOLS if t["function"]["name"] != "delegate"]
 
 
@@ -141,7 +135,7 @@ class Harness:
         self,
         client: openai.OpenAI,
         sandbox: Sandbox,
-        problem: Problem,
+        problem: PublicProblem,
         config: HarnessConfig,
         result_path: str | Path | None = None,
     ):
@@ -358,17 +352,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m environments.harness", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--problem", required=True, help="problem JSON (Problem.to_json)")
+    parser.add_argument(
+        "--problem", required=True, help="the problem as a harness sees it (PublicProblem JSON: no grader)"
+    )
     parser.add_argument("--workspace", required=True, help="the execution's workspace folder")
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--api-key", required=True)
     parser.add_argument("--result", required=True, help="where progress and the final stats go (JSON)")
     parser.add_argument("--config", default="{}", help="HarnessConfig fields as JSON")
     args = parser.parse_args(argv)
-    problem = Problem.from_json(json.loads(Path(args.problem).read_text()))
+    problem = PublicProblem.from_json(json.loads(Path(args.problem).read_text()))
     config = HarnessConfig.from_dict(json.loads(args.config))
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600)
-    sandbox = Sandbox(args.workspace, config.limits)
+    # the workspace's parent holds the other executions' workspaces: commands see it empty
+    sandbox = Sandbox(args.workspace, config.limits, hide_root=Path(args.workspace).resolve().parent)
     stats = Harness(client, sandbox, problem, config, args.result).run()
     print(json.dumps({"status": stats.status, "calls": stats.calls, "branches": stats.branches}))
     return 0

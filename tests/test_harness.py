@@ -17,7 +17,7 @@ import pytest
 from environments.dispatch import DispatchConfig, DurationProfile, dispatch
 from environments.harness import Harness, HarnessConfig
 from environments.problems import Problem, grade_workspace
-from environments.problems.base import GRADER_COMMAND, GRADER_PATH, grader_script
+from environments.problems.checks import compile_check
 from environments.sandbox import Sandbox
 from environments.snapshot import extract_snapshot
 from tests.scripted_engine import scripted_stack, tool_call
@@ -38,8 +38,7 @@ def two_file_problem(problem_id: str = "two-files") -> Problem:
         suite="terminal",
         instruction="Create a.txt containing alpha and b.txt containing beta.",
         files={"README.md": "two files\n"},
-        hidden_tests={GRADER_PATH: grader_script(checks)},
-        grade_command=GRADER_COMMAND,
+        checks=[compile_check(name, code) for name, code in checks],
         visible_test_command="ls",
     )
 
@@ -201,7 +200,9 @@ def test_crash_grader_failure_and_success_are_all_recorded(tmp_path):
         return tool_call("finish", summary="half")
 
     good = two_file_problem("good")
-    broken_grader = Problem(**{**good.to_json(), "problem_id": "bad-grader", "grade_command": "exit 3"})
+    broken_grader = Problem(
+        **{**good.to_json(), "problem_id": "bad-grader", "checks": [], "grade_command": "exit 3"}
+    )
     crashing = Problem(**{**good.to_json(), "problem_id": "crash", "files": {"README.md": "x\n"}})
     with scripted_stack(str(tmp_path), policy) as stack:
         outcomes = _dispatch(

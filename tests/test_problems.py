@@ -23,7 +23,9 @@ from environments.problems import (
     read_folder,
     write_workspace,
 )
-from environments.problems.base import TOOLS, run_grade_command
+from environments.problems.grading import run_grade_command
+from environments.sandbox import Sandbox
+from environments.tools import TOOL_NAMES as TOOLS
 
 GENERATED = ("repo", "swe", "terminal")
 
@@ -125,7 +127,7 @@ def test_visible_tests_fail_before_and_pass_after_the_reference_solution(suite, 
     problem = generate(suite, 1, seed=6, difficulty=2)[0]
     for solved in (False, True):
         workspace = _workspace(problem, tmp_path, f"ws-{solved}", solved=solved)
-        result = run_grade_command(problem.visible_test_command, workspace, 30)
+        result = run_grade_command(problem.visible_test_command, Sandbox(workspace), 30)
         passed, total = parse_grade_output(result.stdout)
         assert (passed == total) is solved, result.stdout + result.stderr
     assert "FAIL" not in result.stdout
@@ -140,8 +142,8 @@ def test_hanging_or_exiting_agent_code_loses_checks_instead_of_breaking_the_grad
     (workspace / module).write_text("while True:\n    pass\n")
     started = time.monotonic()
     result = grade_workspace(problem, workspace)
-    assert result.reward == 0.0 and "TimeoutError" in result.log
-    assert time.monotonic() - started < 10
+    assert result.reward == 0.0 and "timed out" in result.log
+    assert time.monotonic() - started < 30  # a lost check, not the whole grade's 60 s
 
 
 def test_generate_is_deterministic_and_varies_with_seed_and_knobs():

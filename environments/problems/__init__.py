@@ -1,6 +1,9 @@
 """Problem suites and graders (DESIGN.md section 1: a problem = instruction + workspace template + grader).
 
-base.py      Problem, GradeResult, grading (grade_workspace), reference solutions, the SUITES registry
+problem.py   Problem (and the PublicProblem a harness sees), Check, writing templates, reference solutions
+checks.py    the check language: hidden checks (probe + expected values) and visible test scripts
+grading.py   grade_workspace: probes judged outside the sandbox, or a neutralised grade command
+registry.py  the SUITES registry, generate(), stable problem ids, shared vocabulary
 repo.py      NL2RepoBench-like: write a module from a specification
 swe.py       DeepSWE-like: fix planted bugs in a small repository
 terminal.py  TerminalBench-like: reach a target file-system state
@@ -11,25 +14,27 @@ problems = generate("swe", 8, seed=0, difficulty=2, length=1)
 """
 
 from environments.problems import repo, swe, terminal  # noqa: F401  (importing registers the suites)
-from environments.problems.base import (
-    SUITES,
-    GraderError,
-    GradeResult,
+from environments.problems.folder import FolderLoad, load_folder, read_folder
+from environments.problems.grading import GraderError, GradeResult, grade_workspace, parse_grade_output
+from environments.problems.problem import (
+    TOOL_NAMES,
+    Check,
     Problem,
+    PublicProblem,
     apply_solution,
-    generate,
-    grade_workspace,
-    parse_grade_output,
     write_workspace,
 )
-from environments.problems.folder import FolderLoad, load_folder, read_folder
+from environments.problems.registry import SUITES, generate
 
 __all__ = [
     "SUITES",
+    "TOOL_NAMES",
+    "Check",
     "FolderLoad",
     "GradeResult",
     "GraderError",
     "Problem",
+    "PublicProblem",
     "apply_solution",
     "generate",
     "grade_workspace",

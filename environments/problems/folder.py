@@ -11,7 +11,9 @@ Layout: every direct subfolder is one problem (names starting with ``.`` or ``_`
         problem.toml       optional settings, see below
 
 The grader is either ``grade.sh`` or ``grade = "..."`` in problem.toml (exactly one of them). It runs
-in a fresh copy of the agent's workspace with the hidden files added and must print
+with bash in a fresh, neutralised copy of the agent's workspace (environments/problems/grading.py:
+pytest configuration, conftest.py and start-up hooks the agent wrote are removed, ones it changed
+restored) with the hidden files added, and must print
 ``{"passed": k, "total": n}`` as its last stdout line, unless ``grade_output = "exit_code"``: then
 exit status 0 is reward 1 and anything else reward 0 (handy for SWE-bench style all-or-nothing tests).
 
@@ -33,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from environments.problems.base import Problem, check_relative_path
+from environments.problems.problem import Problem, check_relative_path
 
 logger = logging.getLogger(__name__)
 
-HIDDEN_GRADE_SCRIPT = ".gyre_hidden/grade.sh"
 TOML_KEYS = {"id", "difficulty", "grade", "grade_output", "visible_test_command", "hidden_tests_into"}
 
 
@@ -108,9 +109,8 @@ def load_problem(folder: Path) -> Problem:
     script, inline = folder / "grade.sh", settings.get("grade")
     if script.is_file() and inline is not None:
         raise ProblemFolderError(f"{folder}: both grade.sh and grade in problem.toml are set; keep one")
-    if script.is_file():
-        hidden[HIDDEN_GRADE_SCRIPT] = _read_text(script, folder)
-        command = f"bash {HIDDEN_GRADE_SCRIPT}"
+    if script.is_file():  # its text is the command: no grader file in the workspace the agent wrote
+        command = _read_text(script, folder)
     elif inline is not None:
         command = inline
     else:

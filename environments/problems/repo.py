@@ -21,16 +21,13 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from environments.problems.base import (
-    GRADER_COMMAND,
-    GRADER_PATH,
+from environments.problems.checks import compile_check, grader_script
+from environments.problems.problem import Problem
+from environments.problems.registry import (
     WORDS,
-    Problem,
     action,
-    grader_script,
     noise_files,
     problem_id,
-    problem_rng_seed,
     register_suite,
 )
 
@@ -176,7 +173,7 @@ def generate_repo(n: int, *, seed: int, difficulty: int, length: int) -> list[Pr
 
 
 def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
-    rng = random.Random(problem_rng_seed("repo", seed, difficulty, length, index))
+    rng = random.Random(problem_id("repo", seed, difficulty, length, index))
     taken: set[str] = set()
     functions = [random_function(rng, taken, length) for _ in range(difficulty)]
     name = rng.choice(MODULE_NAMES)
@@ -229,8 +226,7 @@ def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
         suite="repo",
         instruction=instruction,
         files=files,
-        hidden_tests={GRADER_PATH: grader_script(checks)},
-        grade_command=GRADER_COMMAND,
+        checks=[compile_check(name, code) for name, code in checks],
         visible_test_command=f"python -B {visible_path}",
         solution=solution,
         difficulty=difficulty,

@@ -20,15 +20,12 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from environments.problems.base import (
-    GRADER_COMMAND,
-    GRADER_PATH,
-    Problem,
+from environments.problems.checks import compile_check, grader_script
+from environments.problems.problem import Problem
+from environments.problems.registry import (
     action,
-    grader_script,
     noise_files,
     problem_id,
-    problem_rng_seed,
     register_suite,
 )
 from environments.problems.repo import (
@@ -88,7 +85,7 @@ def generate_swe(n: int, *, seed: int, difficulty: int, length: int) -> list[Pro
 
 
 def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
-    rng = random.Random(problem_rng_seed("swe", seed, difficulty, length, index))
+    rng = random.Random(problem_id("swe", seed, difficulty, length, index))
     module = rng.choice(MODULE_NAMES)
     n_functions = difficulty + length
     bug_indices = set(rng.sample(range(n_functions), difficulty))
@@ -156,8 +153,7 @@ def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
         suite="swe",
         instruction=instruction,
         files=files,
-        hidden_tests={GRADER_PATH: grader_script(checks)},
-        grade_command=GRADER_COMMAND,
+        checks=[compile_check(name, code) for name, code in checks],
         visible_test_command=f"python -B {visible_path}",
         solution=solution,
         difficulty=difficulty,

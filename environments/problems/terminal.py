@@ -21,16 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from environments.problems.base import (
-    GRADER_COMMAND,
-    GRADER_PATH,
+from environments.problems.checks import compile_check
+from environments.problems.problem import Problem
+from environments.problems.registry import (
     WORDS,
-    Problem,
     action,
-    grader_script,
     noise_files,
     problem_id,
-    problem_rng_seed,
     register_suite,
     words,
 )
@@ -193,7 +190,7 @@ def generate_terminal(n: int, *, seed: int, difficulty: int, length: int) -> lis
 
 
 def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
-    rng = random.Random(problem_rng_seed("terminal", seed, difficulty, length, index))
+    rng = random.Random(problem_id("terminal", seed, difficulty, length, index))
     kinds = list(OPERATIONS)
     chosen = rng.sample(kinds, difficulty) if difficulty <= len(kinds) else rng.choices(kinds, k=difficulty)
     paths = _Paths(rng)
@@ -218,8 +215,7 @@ def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
         suite="terminal",
         instruction=instruction,
         files=files,
-        hidden_tests={GRADER_PATH: grader_script(checks)},
-        grade_command=GRADER_COMMAND,
+        checks=[compile_check(name, code) for name, code in checks],
         visible_test_command=None,
         solution=solution,
         difficulty=difficulty,

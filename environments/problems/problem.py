@@ -1,0 +1,182 @@
+"""What a problem is: the instruction an agent reads, the workspace it starts in, and its grader.
+
+A problem carries two kinds of secret that no execution may ever see: its grader (``checks`` for
+the generated suites, ``hidden_tests`` + ``grade_command`` for user folders) and its reference
+``solution``. Harnesses get ``Problem.public()``, which holds neither; environments/problems/
+grading.py is the only reader of the grader.
+
+    problem = generate("terminal", 1, seed=7)[0]
+    write_workspace(problem, ws)          # the template the agent starts from
+    apply_solution(problem, ws)           # the reference actions (demonstrations, tests)
+    grade_workspace(problem, ws).reward   # 1.0
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from environments.tools import TOOL_NAMES
+
+LOG_TAIL_CHARS = 4000
+
+
+@dataclass
+class Check:
+    """One hidden check, split so that the verdict never depends on code the agent wrote.
+
+    ``probe`` runs in the sandbox, in a fresh isolated Python, and reports what it sees with
+    ``observe(value)``; the grading process compares the observed values, as JSON, with
+    ``expected``, which never enters the sandbox. Forging an observation therefore needs the
+    expected values, which is solving the problem. Built by ``environments.problems.checks.compile_check``.
+    """
+
+    name: str
+    probe: str
+    """Python source; ``observe``, ``lines_of`` and ``Path`` are in scope."""
+    expected: list[Any]
+    """The JSON values the probe must observe, in order."""
+    imports_workspace: bool = False
+    """True: the workspace is on the probe's module path (it imports the agent's code), so only
+    ``expect_equal`` checks are allowed (see compile_check)."""
+
+
+@dataclass
+class Problem:
+    """One RL problem: what the agent reads, the workspace it starts in, and how it is graded."""
+
+    problem_id: str
+    """stable id derived from suite, seed, knobs and index, e.g. ``terminal-s7-d1l1-003``"""
+    suite: str
+    """``repo`` | ``swe`` | ``terminal`` | ``folder``"""
+    instruction: str
+    files: dict[str, str]
+    """workspace template: relative POSIX path -> text"""
+    checks: list[Check] = field(default_factory=list)
+    """the grader of generated problems (see Check); empty for command-graded problems"""
+    hidden_tests: dict[str, str] = field(default_factory=dict)
+    """command graders only: files added to the grading copy of the workspace"""
+    grade_command: str | None = None
+    """command graders only: bash script run in the grading copy; its last stdout line is
+    ``{"passed": k, "total": n}``"""
+    visible_test_command: str | None = None
+    """what the harness's run_tests tool runs in the agent's workspace (None: no visible tests)"""
+    solution: list[dict[str, Any]] = field(default_factory=list)
+    """reference tool actions that solve the problem fully; empty for folder problems"""
+    difficulty: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
+    """free-form, JSON-able facts about the problem (length knob, item count, source folder)"""
+
+    def __post_init__(self) -> None:
+        self.checks = [c if isinstance(c, Check) else Check(**c) for c in self.checks]
+        if bool(self.checks) == bool(self.grade_command):
+            raise ValueError(
+                f"problem {self.problem_id}: give exactly one grader, checks or grade_command "
+                f"(got {len(self.checks)} checks and grade_command={self.grade_command!r})"
+            )
+        for path in [*self.files, *self.hidden_tests]:
+            check_relative_path(path, what=f"problem {self.problem_id}")
+        for step in self.solution:
+            if step.get("tool") not in TOOL_NAMES or not isinstance(step.get("arguments"), dict):
+                raise ValueError(
+                    f"problem {self.problem_id}: solution action {step!r} must be "
+                    f'{{"tool": one of {list(TOOL_NAMES)}, "arguments": {{...}}}}'
+                )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Problem:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown Problem fields {unknown}; expected some of {sorted(known)}")
+        return cls(**data)
+
+    def public(self) -> PublicProblem:
+        """What a harness may see: no grader, no hidden tests, no solution, no id."""
+        return PublicProblem(self.suite, self.instruction, self.visible_test_command)
+
+
+@dataclass(frozen=True)
+class PublicProblem:
+    """The part of a problem an execution sees (the JSON handed to every harness)."""
+
+    suite: str
+    instruction: str
+    visible_test_command: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PublicProblem:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"a harness gets only {sorted(known)} of a problem; this JSON also has {unknown}"
+            )
+        return cls(**data)
+
+
+def check_relative_path(path: str, *, what: str) -> None:
+    """Raises ValueError unless ``path`` is a relative POSIX path that stays inside its root."""
+    pure = PurePosixPath(path)
+    if not path or pure.is_absolute() or ".." in pure.parts or "\\" in path:
+        raise ValueError(f"{what}: path {path!r} must be relative, use '/', and stay inside the workspace")
+
+
+def write_workspace(problem: Problem, workspace: str | Path) -> Path:
+    """Writes the problem's template files into ``workspace`` (created if missing)."""
+    root = Path(workspace)
+    root.mkdir(parents=True, exist_ok=True)
+    for rel, text in problem.files.items():
+        write_text(root, rel, text)
+    return root
+
+
+def write_text(root: Path, rel: str, text: str) -> None:
+    target = root / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text, encoding="utf-8", newline="")
+
+
+def tail(text: str) -> str:
+    return text if len(text) <= LOG_TAIL_CHARS else "..." + text[-LOG_TAIL_CHARS:]
+
+
+def apply_solution(problem: Problem, workspace: str | Path, *, timeout_s: float = 30.0) -> None:
+    """Executes the reference actions in ``workspace``: write_file writes, run runs ``bash -c`` there.
+
+    Other tools (reads, run_tests, finish, ...) change nothing and are skipped. A failing command is
+    a bug in the generator, so it raises RuntimeError with the command's output.
+    """
+    root = Path(workspace)
+    for step in problem.solution:
+        args = step["arguments"]
+        if step["tool"] == "write_file":
+            check_relative_path(args["path"], what=f"problem {problem.problem_id}")
+            write_text(root, args["path"], args["content"])
+        elif step["tool"] == "run":
+            _run_reference_command(problem, args["command"], root, timeout_s)
+
+
+def _run_reference_command(problem: Problem, command: str, workspace: Path, timeout_s: float) -> None:
+    """A reference solution's command: trusted generator output, so a plain subprocess (fast)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workspace), "LANG": "C.UTF-8"}
+    try:
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=workspace, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"problem {problem.problem_id}: solution command {command!r} timed out") from None
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"problem {problem.problem_id}: solution command {command!r} failed "
+            f"(exit {done.returncode}):\n{tail(done.stdout + done.stderr)}"
+        )
