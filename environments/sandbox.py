@@ -96,6 +96,11 @@ class SandboxLimits:
     """Captured bytes per stream (stdout, stderr); beyond it the head and tail are kept."""
     tmp_bytes: int = 256 << 20
     """Size of the private tmpfs on /tmp that a command sees (discarded when it ends)."""
+    disk_bytes: int | None = None
+    """Disk quota of a workspace made by ``Sandbox.create``: the workspace is a tmpfs of this size
+    (writes beyond it fail with ENOSPC) until ``release()``; None: no quota (a plain folder)."""
+    disk_files: int = 50_000
+    """With ``disk_bytes``: the most files and folders the workspace may hold."""
 
 
 class SandboxViolation(Exception):
@@ -145,6 +150,7 @@ class Sandbox:
     filesystem_isolated: bool
     processes_enforced: bool
     env: dict[str, str]
+    disk_quota_enforced: bool
 
     def __init__(
         self,
@@ -159,6 +165,8 @@ class Sandbox:
         self.workspace.mkdir(parents=True, exist_ok=True)
         self.limits = limits or SandboxLimits()
         self.violations = []
+        self.disk_quota_enforced = False
+        """The workspace is a size-limited tmpfs (``SandboxLimits.disk_bytes``, set by create)."""
         self._hide_root = str(Path(hide_root).resolve()) if hide_root is not None else None
         self._started = time.monotonic()
         isolation = probe_isolation()
@@ -213,15 +221,33 @@ class Sandbox:
         workspace = root / name
         if workspace.exists():
             raise FileExistsError(f"workspace {workspace} already exists: pick a new name per execution")
+        workspace.mkdir(parents=True)
+        quota = _mount_quota(workspace, limits) if limits and limits.disk_bytes else False
         if isinstance(template, str | Path):
-            shutil.copytree(template, workspace, symlinks=True)
-        else:
-            workspace.mkdir(parents=True)
+            shutil.copytree(template, workspace, symlinks=True, dirs_exist_ok=True)
         sandbox = cls(workspace, limits, hide_root=root)
+        sandbox.disk_quota_enforced = quota
         if isinstance(template, Mapping):
             for rel, content in template.items():
                 sandbox._write(rel, content.encode() if isinstance(content, str) else content)
         return sandbox
+
+    def release(self) -> None:
+        """Unmounts the workspace's quota tmpfs (its files are gone after this); a no-op without one."""
+        if self.disk_quota_enforced:
+            _Libc().check(_Libc().lib.umount2(str(self.workspace).encode(), 2), f"umount {self.workspace}")
+            self.disk_quota_enforced = False
+
+    def disk_used(self) -> tuple[int, int]:
+        """(bytes, files) the workspace holds now (the quota's measure)."""
+        st = os.statvfs(self.workspace)
+        if self.disk_quota_enforced:
+            return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree
+        total, count = 0, 0
+        for dirpath, dirnames, filenames in os.walk(self.workspace):
+            count += len(dirnames) + len(filenames)
+            total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in filenames)
+        return total, count
 
     # -- path-checked file tools --------------------------------------------------------------
     def resolve(self, path: str) -> Path:
@@ -421,6 +447,8 @@ class Sandbox:
             "argv": [shutil.which("bash") or "/bin/bash", "-c", command],
             "env": self.env,
             "keep": self.visible_paths,
+            "checkout": own_checkout(),
+            "packages": own_packages(),
         }
         return [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
 
@@ -458,6 +486,19 @@ class Sandbox:
 
 
 # -- parent side helpers ------------------------------------------------------------------------
+def _mount_quota(workspace: Path, limits: SandboxLimits) -> bool:
+    """Makes ``workspace`` a tmpfs of ``limits.disk_bytes`` and ``disk_files`` inodes; False (with a
+    loud warning) where the kernel refuses the mount."""
+    libc = _Libc()
+    options = f"mode=755,size={limits.disk_bytes},nr_inodes={limits.disk_files}"
+    try:
+        libc.mount("tmpfs", str(workspace), "tmpfs", MS_NOSUID | MS_NODEV, options)
+    except OSError as exc:
+        logger.warning("WORKSPACE HAS NO DISK QUOTA: could not mount a tmpfs on %s (%s)", workspace, exc)
+        return False
+    return True
+
+
 class _Capture:
     """Keeps the first and last ``limit // 2`` bytes of a stream."""
 
@@ -616,6 +657,7 @@ def probe_isolation() -> Isolation:
                 "limits": asdict(SandboxLimits()),
                 "argv": ["/bin/sh", "-c", "exit 0"],
                 "env": {"PATH": "/usr/bin:/bin"},
+                "keep": interpreter_paths(),
             }
             probe = subprocess.run(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)],
@@ -664,7 +706,7 @@ def _pids_cgroup_base(detail: list[str]) -> str | None:
 
 # -- the launcher (this file run as a script; stdlib only, starts fast) ---------------------------
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x08000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
 AT_FDCWD, AT_EMPTY_PATH, AT_RECURSIVE = -100, 0x1000, 0x8000
 OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = 1, 4
@@ -718,6 +760,8 @@ class _Libc:
 def _launch(spec: dict) -> None:
     """Launcher (L): joins the cgroup, unshares, builds the mounts, forks the namespace's init (I),
     waits, and exits the way the command did."""
+    import resource  # noqa: F401  (loaded now: its folder may be covered once the mounts are built)
+
     libc = _Libc()
     os.umask(0o022)
     if spec["cgroup"]:
@@ -788,6 +832,32 @@ def _under(path: str, folders: list[str]) -> bool:
     return any(path == folder or path.startswith(folder.rstrip("/") + "/") for folder in folders)
 
 
+OWN_PACKAGES = ("environments", "engines", "flows", "tasks", "trajectory_store", "scheduler", "sim", "bench")
+
+
+@cache
+def own_packages() -> list[str]:
+    """Where gyrerl's own packages live (a checkout or site-packages): commands never see them, so a
+    command cannot regenerate a problem, read a grader or a reference solution."""
+    import importlib.util
+
+    found = []
+    for name in OWN_PACKAGES:
+        with contextlib.suppress(ImportError, ValueError):
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations:
+                found += [os.path.realpath(p) for p in spec.submodule_search_locations]
+    return sorted(set(found))
+
+
+@cache
+def own_checkout() -> list[str]:
+    """The source checkout holding this file (a folder with pyproject.toml above environments/), if
+    any: commands see none of it (its venv, an interpreter folder, is mounted back read-only)."""
+    root = Path(__file__).resolve().parent.parent
+    return [str(root)] if (root / "pyproject.toml").is_file() and root != Path("/") else []
+
+
 def interpreter_paths() -> list[str]:
     """Folders a command needs to run this Python (the venv and the base installation), resolved."""
     raw = (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))
@@ -796,8 +866,24 @@ def interpreter_paths() -> list[str]:
     return sorted(p for p in paths if os.path.isdir(p))
 
 
+VISIBLE_TOP = frozenset(
+    {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "dev", "tmp", "run"}
+)
+"""Top-level folders a command sees (read-only; /tmp, /run, /dev fresh): every other one (/root,
+/home, /work, /srv, /opt, /var, /sys, ...) is covered by an empty tmpfs."""
+MASKED_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers")
+MASKED_DIRS = ("/etc/ssh", "/etc/sudoers.d", "/etc/ssl/private")
+
+
+def _cover(libc: _Libc, path: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+
+
 def _build_mounts(libc: _Libc, spec: dict) -> None:
-    """Everything read-only but a clone of the workspace, private /tmp, /run, /dev."""
+    """Everything read-only, most of it invisible: only VISIBLE_TOP, the interpreter's folders and a
+    clone of the workspace (read-write) remain; private /tmp, /run, /dev; the checkout and our own
+    packages covered wherever they live."""
     workspace = spec["workspace"]
     libc.mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do propagates to the host
     tree_fd = libc.check(
@@ -809,7 +895,13 @@ def _build_mounts(libc: _Libc, spec: dict) -> None:
     libc.setattr(tree_fd, "", AT_EMPTY_PATH | AT_RECURSIVE, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     libc.setattr(AT_FDCWD, "/", AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     hide_root = spec["hide_root"] if spec["hide_root"] and spec["hide_root"] != "/" else None
-    covered = ["/tmp", "/run", "/dev", *([hide_root] if hide_root else [])]
+    top = sorted(
+        f"/{name}"
+        for name in os.listdir("/")
+        if name not in VISIBLE_TOP and os.path.isdir(f"/{name}") and not os.path.islink(f"/{name}")
+    )
+    checkout = [p for p in spec.get("checkout", []) if p != "/"]
+    covered = ["/tmp", "/run", "/dev", *top, *checkout, *([hide_root] if hide_root else [])]
     kept = []  # the interpreter's folders, when they live under a folder we cover (a venv in /tmp)
     for path in spec.get("keep", []):
         if _under(path, covered) and not _under(path, [workspace]):
@@ -836,9 +928,14 @@ def _build_mounts(libc: _Libc, spec: dict) -> None:
     os.mkdir("/dev/shm")
     libc.mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m")
     libc.setattr(AT_FDCWD, "/dev", 0, MOUNT_ATTR_RDONLY)
-    if hide_root:
-        os.makedirs(hide_root, exist_ok=True)
-        libc.mount("tmpfs", hide_root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+    for path in MASKED_FILES:
+        if os.path.isfile(path):
+            libc.mount("/dev/null", path, None, MS_BIND)
+    for path in MASKED_DIRS:
+        if os.path.isdir(path) and not os.path.islink(path):
+            libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=755,size=4k")
+    for path in [*top, *checkout, *([hide_root] if hide_root else [])]:
+        _cover(libc, path)
     for path, fd in kept:
         os.makedirs(path, exist_ok=True)
         libc.check(
@@ -846,17 +943,22 @@ def _build_mounts(libc: _Libc, spec: dict) -> None:
             f"move_mount {path}",
         )
         os.close(fd)
+    for path in spec.get("packages", []):  # our packages installed inside a kept tree (site-packages)
+        if os.path.isdir(path) and not _under(workspace, [path]):
+            libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=755,size=4k")
     os.makedirs(workspace, exist_ok=True)
     libc.check(
         libc.lib.syscall(SYS_MOVE_MOUNT, tree_fd, b"", AT_FDCWD, workspace.encode(), MOVE_MOUNT_F_EMPTY_PATH),
         f"move_mount {workspace}",
     )
     os.close(tree_fd)
+    for path in [*top, *checkout, *([hide_root] if hide_root else [])]:  # mount points made: seal them
+        libc.setattr(AT_FDCWD, path, 0, MOUNT_ATTR_RDONLY)
 
 
 def _become_command(libc: _Libc, spec: dict) -> None:
     """The command's process: limits, no capabilities, exec; never returns."""
-    import resource
+    import resource  # already loaded by _launch, before the mounts
 
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

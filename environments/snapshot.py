@@ -25,15 +25,10 @@ import io
 import os
 import re
 import tarfile
-import uuid
-from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any
-
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from environments.sandbox import Sandbox, SandboxLimits
+from trajectory_store.storage import Store
 
 MAX_LINK_HOPS = 40
 EXECUTION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=-]{0,199}$")
@@ -62,10 +57,9 @@ def snapshot_bytes(workspace: str | Path) -> bytes:
             if info is None:
                 continue
             if info.isreg():
-                with open(full, "rb") as handle:
-                    data = handle.read()
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+                with open(full, "rb") as handle:  # streamed: a large workspace is never held whole
+                    info.size = os.fstat(handle.fileno()).st_size
+                    tar.addfile(info, handle)
             else:
                 tar.addfile(info)
     return buffer.getvalue()
@@ -96,54 +90,51 @@ def _tar_info(root: Path, rel: str, full: Path) -> tarfile.TarInfo | None:
 
 
 # -- storage ------------------------------------------------------------------------------------
-def snapshot_uri(store_root_url: str, execution_id: str) -> str:
-    """Where ``write_snapshot`` puts an execution's snapshot."""
+def snapshot_key(store: Store, execution_id: str) -> str:
+    """Where an execution's snapshot lives in the store: ``snapshots/<execution_id>.tar.gz``."""
     if not EXECUTION_ID.match(execution_id) or ".." in execution_id:
         raise ValueError(f"execution id {execution_id!r} cannot name an object (letters, digits, ._=- only)")
-    return f"{store_root_url.rstrip('/')}/snapshots/{execution_id}.tar.gz"
+    return store.path("snapshots", f"{execution_id}.tar.gz")
 
 
-def write_snapshot(
-    store_root_url: str,
-    execution_id: str,
-    data: bytes,
-    storage_options: Mapping[str, Any] | None = None,
-) -> str:
-    """Writes ``<store_root_url>/snapshots/<execution_id>.tar.gz`` whole (temporary name + rename on
-    a local disk, one PUT on S3) and returns its URI. ``store_root_url`` is the campaign root
-    (``<data_root>/campaigns/<campaign>``); ``storage_options`` as ``StoreConfig.storage_options()``."""
-    uri = snapshot_uri(store_root_url, execution_id)
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
-    if isinstance(fs, LocalFileSystem):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        return path
-    fs.pipe_file(path, data)
-    return uri
+def write_snapshot(store: Store, execution_id: str, data: bytes) -> str:
+    """Writes ``snapshots/<execution_id>.tar.gz`` whole (``Store.write_bytes``: a temporary name and
+    a rename on a local disk, one PUT on S3, so a retry rewrites the same bytes) and returns the URI
+    that ``read_snapshot`` takes."""
+    key = snapshot_key(store, execution_id)
+    store.write_bytes(key, data)
+    return store.url(key)
 
 
-def read_snapshot(uri: str, storage_options: Mapping[str, Any] | None = None) -> bytes:
-    """The bytes of a snapshot written by ``write_snapshot``."""
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
-    return fs.cat_file(path)
+def read_snapshot(store: Store, uri: str) -> bytes:
+    """The bytes of a snapshot written by ``write_snapshot`` (``uri`` as it returned)."""
+    return store.read_bytes(uri.split("://", 1)[1] if "://" in uri else uri)
 
 
 # -- safe extraction ----------------------------------------------------------------------------
-def extract_snapshot(data: bytes, dest: str | Path, max_bytes: int = 4 << 30) -> list[str]:
+MAX_EXTRACT_BYTES = 1 << 30
+"""Default bound on what a snapshot may unpack to (a 1 MB archive can hold 1 GiB of zeros)."""
+MAX_EXTRACT_MEMBERS = 50_000
+"""Default bound on a snapshot's files, folders and links."""
+
+
+def extract_snapshot(
+    data: bytes, dest: str | Path, max_bytes: int = MAX_EXTRACT_BYTES, max_members: int = MAX_EXTRACT_MEMBERS
+) -> list[str]:
     """Unpacks a snapshot into ``dest`` (missing or empty). Every member is checked first; the
-    first unsafe one raises ``UnsafeArchive`` and nothing is written. Returns the relative paths
-    of the files and links written, sorted."""
+    first unsafe one, or more than ``max_members`` members or ``max_bytes`` bytes in all, raises
+    ``UnsafeArchive`` and nothing is written. Returns the relative paths of the files and links
+    written, sorted."""
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise ValueError(f"extract into a fresh folder: {dest} is not empty")
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            members = tar.getmembers()
+            members = []
+            for member in tar:  # counted while reading: 100,000 empty files never all load
+                members.append(member)
+                if len(members) > max_members:
+                    raise UnsafeArchive(f"the archive holds more than {max_members} members")
             names = _check_members(members, max_bytes)
             return _extract(tar, members, names, dest.resolve() if dest.exists() else dest)
     except (tarfile.TarError, EOFError, gzip.BadGzipFile) as exc:

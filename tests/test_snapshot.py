@@ -167,17 +167,17 @@ def test_extraction_refuses_garbage_and_a_full_destination(tmp_path):
 
 # -- storage -------------------------------------------------------------------------------------
 def test_write_snapshot_locally_is_idempotent(tmp_path):
-    campaign_root = str(tmp_path / "data" / "campaigns" / "c1")
+    store = Store(StoreConfig(data_root=str(tmp_path / "data"), campaign="c1"))
     data = snapshot_bytes(build_tree(tmp_path / "ws"))
 
-    uri = write_snapshot(campaign_root, "exec-7", data)
-    again = write_snapshot(campaign_root, "exec-7", data)
+    uri = write_snapshot(store, "exec-7", data)
+    again = write_snapshot(store, "exec-7", data)
 
-    assert uri == again == f"{campaign_root}/snapshots/exec-7.tar.gz"
+    assert uri == again == f"{tmp_path}/data/campaigns/c1/snapshots/exec-7.tar.gz"
     assert os.listdir(Path(uri).parent) == ["exec-7.tar.gz"]
-    assert read_snapshot(uri) == data
+    assert read_snapshot(store, uri) == data
     with pytest.raises(ValueError):
-        write_snapshot(campaign_root, "../escape", data)
+        write_snapshot(store, "../escape", data)
 
 
 def test_write_snapshot_to_s3(s3_bucket, tmp_path):
@@ -186,10 +186,10 @@ def test_write_snapshot_to_s3(s3_bucket, tmp_path):
     store = Store(config)
     data = snapshot_bytes(build_tree(tmp_path / "ws"))
 
-    uri = write_snapshot(store.url(store.campaign_dir), "exec-7", data, config.storage_options())
+    uri = write_snapshot(store, "exec-7", data)
 
     assert uri == f"s3://{bucket}/runs/campaigns/c1/snapshots/exec-7.tar.gz"
-    assert read_snapshot(uri, config.storage_options()) == data
+    assert read_snapshot(store, uri) == data
     listed = boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket=bucket)["Contents"]
     assert [obj["Key"] for obj in listed] == ["runs/campaigns/c1/snapshots/exec-7.tar.gz"]
 
@@ -199,10 +199,30 @@ def test_timed_out_workspace_is_graded_in_a_fresh_sandbox(tmp_path):
 
     worker = Sandbox.create(tmp_path / "runs", "exec-7", {"answer.txt": "42\n"})
     worker.run("echo partial >> answer.txt; sleep 100", timeout_s=1)
-    uri = write_snapshot(str(tmp_path / "campaign"), "exec-7", snapshot_bytes(worker.workspace))
+    store = Store(StoreConfig(data_root=str(tmp_path / "data")))
+    uri = write_snapshot(store, "exec-7", snapshot_bytes(worker.workspace))
 
-    grader = sandbox_from_snapshot(read_snapshot(uri), tmp_path / "grading", "exec-7")
+    grader = sandbox_from_snapshot(read_snapshot(store, uri), tmp_path / "grading", "exec-7")
     result = grader.run("cat answer.txt")
 
     assert grader.workspace != worker.workspace
     assert result.stdout == "42\npartial\n"
+
+
+def test_extraction_bounds_total_bytes_and_members(tmp_path):
+    zeros = io.BytesIO()
+    with tarfile.open(fileobj=zeros, mode="w:gz") as tar:
+        info = tarfile.TarInfo("zeros.bin")
+        info.size = 64 << 20
+        tar.addfile(info, io.BytesIO(bytes(info.size)))
+    assert len(zeros.getvalue()) < 1 << 20  # a small archive...
+    with pytest.raises(UnsafeArchive, match="more than"):  # ...that unpacks to too much
+        extract_snapshot(zeros.getvalue(), tmp_path / "a", max_bytes=16 << 20)
+    many = io.BytesIO()
+    with tarfile.open(fileobj=many, mode="w:gz") as tar:
+        for index in range(1001):
+            tar.addfile(tarfile.TarInfo(f"f{index}"), io.BytesIO())
+    with pytest.raises(UnsafeArchive, match="more than 1000 members"):
+        extract_snapshot(many.getvalue(), tmp_path / "b", max_members=1000)
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    assert not (tmp_path / "b").exists()
