@@ -4,13 +4,16 @@ graded with partial credit even when it runs out of time.
 For every (problem, group member) the dispatcher
 
 1. registers the execution with the gateway (admin API) and gets its base_url and api_key;
-2. creates its workspace from the problem's template under the workspace root;
+2. creates its workspace from the problem's template under the workspace root, with an opaque name
+   (nothing in a path names the problem or the execution) and a disk quota; the harness gets the
+   problem's public part only (instruction, visible test command), in a side folder outside that root;
 3. starts the harness as a subprocess in its own process group: the built-in one
    (``python -m environments.harness``) or any external command given as a template (``{base_url}``,
    ``{api_key}``, ``{workspace}``, ``{instruction_file}``; OPENAI_BASE_URL / OPENAI_API_KEY are set too);
 4. at the deadline kills the whole group; the execution is ``timeout``, its workspace is snapshotted
-   (deterministic tar.gz) to ``snapshots/<execution_id>.tar.gz`` in the store and graded from the
-   snapshot, extracted into a fresh folder (``reward_source = workspace_snapshot``); an execution
+   (deterministic tar.gz, ``environments.snapshot.write_snapshot``) to
+   ``snapshots/<execution_id>.tar.gz`` in the store and graded from what was stored, extracted into
+   a fresh sandbox (``reward_source = workspace_snapshot``); an execution
    that ended on its own is graded from its final workspace (``final``); a harness that exits non-zero
    is ``error`` (its log is kept under ``logs/``, reward 0 as a placeholder);
 5. retries a failing grader up to ``grader_retries`` times, then marks the execution ``eval_failed``
@@ -32,12 +35,13 @@ import json
 import logging
 import os
 import random
+import secrets
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +50,14 @@ import httpx
 from environments.harness import HarnessConfig
 from environments.problems import GraderError, GradeResult, Problem, grade_workspace
 from environments.sandbox import Sandbox
-from environments.snapshot import UnsafeArchive, extract_snapshot, snapshot_bytes
+from environments.snapshot import (
+    UnsafeArchive,
+    read_snapshot,
+    sandbox_from_snapshot,
+    snapshot_bytes,
+    write_snapshot,
+)
+from trajectory_store.schema import RewardSource, Status
 from trajectory_store.storage import Store, StoreConfig
 
 log = logging.getLogger(__name__)
@@ -94,6 +105,10 @@ class DispatchConfig:
     workspace_root: str | None = None
     """Where workspaces go (default: a fresh temporary folder, removed at the end)."""
     keep_workspaces: bool = False
+    workspace_disk_bytes: int | None = 512 << 20
+    """Disk quota of each workspace (a tmpfs of this size; None: a plain folder, no quota)."""
+    workspace_files: int = 50_000
+    """Files and folders a workspace may hold (with a quota)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DispatchConfig:
@@ -115,9 +130,9 @@ class ExecutionOutcome:
     execution_id: str
     problem_id: str
     group_id: str
-    status: str  # completed | timeout | error | eval_failed
+    status: Status
     reward: float | None
-    reward_source: str | None
+    reward_source: RewardSource | None
     calls: int = 0
     branches: int = 0
     summaries: int = 0
@@ -166,6 +181,20 @@ class GatewayAdmin:
         return result
 
 
+def harness_name(command: list[str] | None) -> str:
+    """What executions.harness records: 'builtin', the program of an external command, or for a
+    ``bash -c '<script>'`` command the script's first program."""
+    if command is None:
+        return "builtin"
+    program = Path(command[0]).name
+    if program in ("bash", "sh") and len(command) > 2 and command[1] == "-c":
+        words = command[2].split()
+        first = next((w for w in words if "=" not in w), None)  # skip VAR=value prefixes
+        if first:
+            return Path(first).name
+    return program
+
+
 def execution_id_for(step: int, problem: Problem, member: int) -> str:
     return f"s{step}-{problem.problem_id}-g{member}"
 
@@ -194,6 +223,8 @@ async def dispatch(
             jobs = [one(p, m) for p in problems for m in range(config.group_size)]
             return list(await asyncio.gather(*jobs))
     finally:
+        if not config.keep_workspaces:
+            shutil.rmtree(runner.side_root, ignore_errors=True)
         if not config.workspace_root and not config.keep_workspaces:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -201,8 +232,9 @@ async def dispatch(
 class _Runner:
     def __init__(self, store: Store, config: DispatchConfig, root: str):
         self.store, self.config, self.root = store, config, Path(root)
-        command = config.harness_command
-        self.harness_name = config.harness_name or ("builtin" if command is None else Path(command[0]).name)
+        self.harness_name = config.harness_name or harness_name(config.harness_command)
+        # harness inputs and outputs live apart from the workspaces, where no command can see them
+        self.side_root = Path(tempfile.mkdtemp(prefix="gyre-harness-"))
 
     async def run(self, admin: GatewayAdmin, problem: Problem, member: int) -> ExecutionOutcome:
         config = self.config
@@ -223,13 +255,27 @@ class _Runner:
 
     async def _execute(self, problem, execution_id, registration, outcome: ExecutionOutcome) -> None:
         config = self.config
-        side = self.root / f"{execution_id}.run"  # harness inputs and outputs, outside the workspace
-        side.mkdir(parents=True, exist_ok=True)
-        sandbox = Sandbox.create(self.root, execution_id, problem.files, config.harness.limits)
-        (side / "problem.json").write_text(json.dumps(problem.to_json()))
+        name = secrets.token_hex(8)  # opaque: a path never names the problem or the execution
+        side = self.side_root / name
+        side.mkdir(parents=True)
+        limits = replace(
+            config.harness.limits, disk_bytes=config.workspace_disk_bytes, disk_files=config.workspace_files
+        )
+        sandbox = Sandbox.create(self.root, name, problem.files, limits)
+        try:
+            await self._run_harness(problem, execution_id, registration, sandbox, side, outcome)
+        finally:
+            if not config.keep_workspaces:
+                sandbox.release()
+                shutil.rmtree(sandbox.workspace, ignore_errors=True)
+                shutil.rmtree(side, ignore_errors=True)
+
+    async def _run_harness(self, problem, execution_id, registration, sandbox, side, outcome) -> None:
+        config = self.config
+        (side / "problem.json").write_text(json.dumps(problem.public().to_json()))
         (side / "instruction.md").write_text(problem.instruction)
         result_path = side / "result.json"
-        argv, env = self._command(problem, execution_id, registration, sandbox.workspace, side, outcome)
+        argv, env = self._command(execution_id, registration, sandbox.workspace, side, outcome)
         log_path = side / "harness.log"
         with open(log_path, "wb") as log_file:
             process = await asyncio.create_subprocess_exec(
@@ -255,21 +301,19 @@ class _Runner:
             await self._grade(problem, sandbox.workspace, outcome, "final")
         if outcome.status == "eval_failed":
             outcome.log_uri = self._keep_log(execution_id, log_path)
-        if not config.keep_workspaces:
-            shutil.rmtree(sandbox.workspace, ignore_errors=True)
-            shutil.rmtree(side, ignore_errors=True)
 
-    def _command(self, problem, execution_id, registration, workspace: Path, side: Path, outcome):
+    def _command(self, execution_id, registration, workspace: Path, side: Path, outcome):
         config = self.config
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": str(side),
             "LANG": "C.UTF-8",
-            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
             "OPENAI_BASE_URL": registration["base_url"],
             "OPENAI_API_KEY": registration["api_key"],
         }
         if config.harness_command is None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # ours only: an external
+            # harness keeps its own environment (gyre's path would shadow a harness in another venv)
             harness = config.harness
             turns = config.durations.turns(execution_id)
             outcome.turn_budget = turns
@@ -298,20 +342,20 @@ class _Runner:
             outcome.reward, outcome.reward_source = 0.0, "placeholder"
             return
         data = await asyncio.to_thread(snapshot_bytes, workspace)
-        key = self.store.path("snapshots", f"{execution_id}.tar.gz")
-        await asyncio.to_thread(self.store.write_bytes, key, data)
-        outcome.snapshot_uri = self.store.url(key)
-        fresh = Path(tempfile.mkdtemp(prefix=f"gyre-grade-{execution_id}-"))
+        outcome.snapshot_uri = await asyncio.to_thread(write_snapshot, self.store, execution_id, data)
+        fresh = Path(tempfile.mkdtemp(prefix="gyre-regrade-"))
         try:
-            stored = await asyncio.to_thread(self.store.read_bytes, key)  # graded from what was stored
-            extract_snapshot(stored, fresh)
+            stored = await asyncio.to_thread(read_snapshot, self.store, outcome.snapshot_uri)
+            restored = sandbox_from_snapshot(
+                stored, fresh, secrets.token_hex(8)
+            )  # graded from what was stored
         except (UnsafeArchive, OSError) as exc:
             shutil.rmtree(fresh, ignore_errors=True)
             outcome.status, outcome.reward, outcome.reward_source = "eval_failed", None, None
             outcome.error = f"snapshot unusable: {exc}"
             return
         try:
-            await self._grade(problem, fresh, outcome, "workspace_snapshot")
+            await self._grade(problem, restored.workspace, outcome, "workspace_snapshot")
         finally:
             shutil.rmtree(fresh, ignore_errors=True)
 
