@@ -18,9 +18,13 @@ Pieces (each module's docstring has the details):
     context.py        SessionContext: token fidelity (earlier ids reused exactly, by message prefix)
     engine_client.py  EngineClient: HTTP to one engine (vLLM-compatible generation + our KV admin API)
     http.py           KeepAliveClient: the minimal HTTP/1.1 client of the generation hot path
-    router.py         Router: session affinity, load-aware placement, drain with KV migration, death
+    router.py         Router: connecting engines, session affinity, load-aware placement, drain with KV
+                      migration, death
     registry.py       executions, their keys and agents
-    service.py        Gateway: one call end to end, recording through trajectory_store's Recorder
+    limits.py         LimitsConfig's checks: prompt size (before tokenizing), per-execution caps
+    stops.py          StopStrings: OpenAI stop strings on engines that stop at token ids
+    recording.py      CallRecording: calls and executions through trajectory_store's Recorder, one FIFO thread
+    service.py        Gateway: one call end to end (limits, context, router, stops, recording, answer)
     app.py            create_app: the FastAPI routes, auth, limits, OpenAI-style errors, SSE
     __main__.py       python -m engines.gateway --model DIR --engine URL [--engine URL ...]
 """

@@ -4,6 +4,8 @@ vLLM does) and the response / stream-chunk builders.
     ChatCompletionRequest   POST .../v1/chat/completions
     TextCompletionRequest   POST .../v1/completions (prompt: text or token ids, one prompt per request)
     RegisterExecution, FinishExecution, AddEngine   admin bodies; check_reward (finite, in REWARD_RANGE)
+    chat_completion, text_completion (+ assistant_message, usage, call_info, chat_logprobs,
+    text_logprobs)          the answers; chat_chunks, completion_chunks, sse: the same as a stream
 
 Supported: messages (system, developer = system, user, assistant with tool_calls, tool), tools,
 tool_choice ("none" turns tool-call parsing off; "auto", "required" and a named function parse tool
@@ -16,8 +18,10 @@ Gyre extensions (header or extra_body): X-Gyre-Role / gyre_role, X-Gyre-Agent / 
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import orjson
@@ -212,6 +216,74 @@ class AddEngine(_Lenient):
 
 
 # responses --------------------------------------------------------------------------------------------
+def assistant_message(
+    content: str | None, tool_calls: list[dict[str, Any]], new_id: Callable[[], str]
+) -> dict[str, Any]:
+    """The assistant message of a chat completion; parsed tool calls ({"name", "arguments": dict}) get
+    fresh ids (call_<new_id()>) and their arguments as a JSON string, as OpenAI sends them."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{new_id()}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+            }
+            for c in tool_calls
+        ]
+    return message
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def call_info(
+    *,
+    execution_id: str,
+    agent_id: str,
+    role: Role,
+    call_id: int | None,
+    engine_id: str,
+    policy_version: int,
+    migrated: bool,
+    rerouted: bool,
+    recomputed_tokens: int,
+) -> dict[str, Any]:
+    """The response's ``gyre`` field: where the call is recorded and how it was served."""
+    return {
+        "execution_id": execution_id,
+        "agent_id": agent_id,
+        "role": role,
+        "call_id": call_id,
+        "engine_id": engine_id,
+        "policy_version": policy_version,
+        "migrated": migrated,
+        "rerouted": rerouted,
+        "recomputed_tokens": recomputed_tokens,
+    }
+
+
+def chat_logprobs(token_texts: list[str], logprobs: list[float]) -> dict[str, Any]:
+    """OpenAI chat logprobs of the chosen tokens (top_logprobs lists are empty)."""
+    return {
+        "content": [
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+            for text, lp in zip(token_texts, logprobs, strict=False)
+        ]
+    }
+
+
+def text_logprobs(token_texts: list[str], logprobs: list[float]) -> dict[str, Any]:
+    """OpenAI completions logprobs of the chosen tokens."""
+    return {"tokens": token_texts, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+
+
 def chat_completion(
     response_id: str,
     model: str,
@@ -229,6 +301,35 @@ def chat_completion(
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage,
         "system_fingerprint": None,
+        "gyre": gyre,
+    }
+
+
+def text_completion(
+    response_id: str,
+    model: str,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    gyre: dict[str, Any],
+) -> dict[str, Any]:
+    """A /v1/completions answer; choices[0].token_ids holds the output ids (token in, token out)."""
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "token_ids": token_ids,
+    }
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
         "gyre": gyre,
     }
 

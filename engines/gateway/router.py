@@ -3,6 +3,7 @@
 A session is one (execution, agent): session_id = "<execution_id>/<agent_id>", the engine's session id
 too, so the engine's prefix cache holds its context between calls.
 
+    engine, replaced = await router.connect(EngineSpec(url=...))      # probe it, read its id, add it
     route = router.route(session_id)
     result = await router.generate(route, request, known_tokens=...)  # EngineResult (an EngineCompletion)
     report = await router.drain(engine_id)                          # every session leaves that engine
@@ -32,8 +33,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engines.gateway.config import EngineSpec
 from engines.gateway.engine_client import EngineClient
-from engines.gateway.errors import EngineDown, GatewayError
+from engines.gateway.errors import EngineDown, EngineRejected, GatewayError
 from engines.protocol import EngineCompletion, EngineCompletionRequest
 
 
@@ -90,6 +92,38 @@ class Router:
         self.stats = RouterStats()
 
     # engines and sessions ---------------------------------------------------------------------------
+    async def connect(
+        self,
+        spec: EngineSpec,
+        *,
+        admin_token: str | None = None,
+        connect_timeout_s: float = 5.0,
+        timeout_s: float | None = None,
+    ) -> tuple[EngineClient, EngineClient | None]:
+        """Connects to the engine at spec.url, reads its model and id, and adds it: (the engine, the engine
+        it replaced). ``admin_token`` is the default of an engine whose spec gives none. 502 when the engine
+        cannot be reached or answers out of protocol."""
+        engine = EngineClient(
+            spec.engine_id or "pending",
+            spec.url,
+            admin_token=spec.admin_token or admin_token,
+            connect_timeout_s=connect_timeout_s,
+            timeout_s=timeout_s,
+        )
+        try:
+            await engine.probe()
+            if spec.engine_id is None:
+                engine.engine_id = await engine.own_engine_id() or f"engine-{len(self.engines)}"
+        except (EngineDown, EngineRejected) as exc:
+            await engine.close()
+            raise GatewayError(
+                502, f"cannot add the engine at {spec.url}: {exc}", code="engine_unreachable"
+            ) from exc
+        old = self.add(engine)
+        if old is not None:
+            await old.close()
+        return engine, old
+
     def add(self, engine: EngineClient) -> EngineClient | None:
         """Adds (or replaces, e.g. a restarted dead engine) an engine; returns the replaced one."""
         old = self.engines.get(engine.engine_id)

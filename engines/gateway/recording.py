@@ -1,0 +1,110 @@
+"""Recording: every call and execution the gateway answers, written through trajectory_store's Recorder.
+
+    recording = CallRecording(store, flush_interval_s=30.0)
+    recording.start()                                        # the periodic flush (in a running loop)
+    recording.record_call_soon(step, execution_id, agent_id, role, prompt_ids, output_ids, logprobs,
+                               policy_version, call_id=..., engine_id=..., finish_reason=..., ...)
+    await recording.record_execution(step, execution_id, status, reward=..., ...)  # RecordError if refused
+    await recording.flush()          # every step's recorder; {calls, executions, quarantined, manifests}
+    await recording.forget(step, execution_id)
+    await recording.close()
+
+Recording runs on ONE dedicated thread (a FIFO executor): the gateway numbers an execution's calls itself
+(call_id, returned in the response's ``gyre`` field) and hands each record to that thread as soon as the
+handler has sent its answer (record_call_soon: loop.call_soon) and never waits for it, so the recorder's
+validation, hashing and prefix-index work stay off the request path; order is kept because the queue is
+FIFO. Everything else that touches a recorder (record_execution, flush, forget) goes through the same
+queue, so a flush or a finished execution always includes every call answered before it. A call the
+recorder refuses is quarantined by it with its reason, logged and counted (``errors``); the harness still
+has its answer. Recorders: one per step (executions carry their step); flushed when an execution
+finishes, on /admin/flush, and every flush_interval_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from trajectory_store.recorder import Recorder
+from trajectory_store.schema import Status
+from trajectory_store.storage import Store
+
+logger = logging.getLogger(__name__)
+
+
+class CallRecording:
+    """Attributes: store, recorders (step -> Recorder), errors (calls the recorder refused)."""
+
+    def __init__(self, store: Store, flush_interval_s: float):
+        self.store = store
+        self.flush_interval_s = flush_interval_s
+        self.recorders: dict[int, Recorder] = {}
+        self.errors = 0
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-recorder")
+        self._flush_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._flush_task = asyncio.create_task(self._flush_periodically())
+
+    async def close(self) -> None:
+        if self._flush_task is not None:
+            self._flush_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flush_task
+        await self.flush()
+        self._thread.shutdown(wait=True)
+
+    def recorder(self, step: int) -> Recorder:
+        recorder = self.recorders.get(step)
+        if recorder is None:
+            recorder = self.recorders[step] = Recorder(self.store, step)
+        return recorder
+
+    async def run(self, work: Callable[[], Any]) -> Any:
+        """Runs ``work`` on the recording thread after every record queued before it."""
+        return await asyncio.wrap_future(self._thread.submit(work))
+
+    def record_call_soon(self, step: int, *args: Any, **fields: Any) -> None:
+        """Queues Recorder.record_call(*args, **fields) once the running handler yields (after its response
+        is written): the recorder's CPU work then never competes with building and sending the answer."""
+        recorder = self.recorder(step)
+        asyncio.get_running_loop().call_soon(self._submit, recorder, args, fields)
+
+    async def record_execution(self, step: int, execution_id: str, status: Status, **fields: Any) -> None:
+        recorder = self.recorder(step)
+        await self.run(lambda: recorder.record_execution(execution_id, status, **fields))
+
+    async def forget(self, step: int, execution_id: str) -> None:
+        """Drops the execution's prefix index (it takes no more calls)."""
+        recorder = self.recorder(step)
+        await self.run(lambda: recorder.forget(execution_id))
+
+    async def flush(self) -> dict[str, Any]:
+        reports = await self.run(lambda: {s: r.flush() for s, r in list(self.recorders.items())})
+        return {
+            "calls": sum(r.calls for r in reports.values()),
+            "executions": sum(r.executions for r in reports.values()),
+            "quarantined": sum(r.quarantined for r in reports.values()),
+            "manifests": [r.manifest for r in reports.values() if r.manifest],
+        }
+
+    async def _flush_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval_s)
+            try:
+                await self.flush()
+            except Exception:  # keep serving; the next flush retries what stayed buffered
+                logger.exception("periodic flush of the recorders failed")
+
+    def _submit(self, recorder: Recorder, args: tuple, fields: dict[str, Any]) -> None:
+        self._thread.submit(recorder.record_call, *args, **fields).add_done_callback(self._recorded)
+
+    def _recorded(self, future: Future) -> None:
+        error = future.exception()
+        if error is not None:  # the recorder quarantined the record with its reason
+            self.errors += 1
+            logger.error("a call could not be recorded: %s", error)
