@@ -396,6 +396,31 @@ def test_a_corrupt_part_is_named_then_quarantined_and_the_rest_stays_queryable(t
     assert "every part reads whole (executions 2, calls 1, metrics 0)" in capsys.readouterr().out
 
 
+def test_check_finds_a_flipped_bit_that_duckdb_reads_without_error(tmp_path):
+    """Uncompressed pages decode whatever their bytes: only the page checksum shows the flip."""
+    from trajectory_store.parts import check_parts
+
+    store = Store(StoreConfig(data_root=str(tmp_path / "data"), campaign="bits", compression="none"))
+    assert import_jsonl(store, str(SAMPLE)).quarantined == 0
+    [part] = store.visible_parts("calls")
+    metadata = pq.ParquetFile(part).metadata.row_group(0)
+    new_ids = next(
+        metadata.column(i)
+        for i in range(metadata.num_columns)
+        if metadata.column(i).path_in_schema == "new_ids.list.element"
+    )
+    data = bytearray(Path(part).read_bytes())
+    chunk_end = (new_ids.dictionary_page_offset or new_ids.data_page_offset) + new_ids.total_compressed_size
+    data[chunk_end - 1] ^= 0x01  # one bit of the column's last page
+    Path(part).write_bytes(bytes(data))
+
+    assert connect(store).sql("SELECT count(*) FROM call_prompts").fetchall() == [(55,)]  # silently wrong
+    problems, _ = check_parts(store)
+
+    assert [p.part for p in problems] == ["calls/step=0/" + Path(part).name]
+    assert "checksum" in problems[0].reason.lower()
+
+
 def test_reimport_after_quarantine_restores_the_part(two_steps, tmp_path, capsys):
     store, store_args = two_steps
     part = step_1_calls_part(store)
