@@ -362,14 +362,17 @@ def step_1_calls_part(store: Store) -> Path:
 
 
 @pytest.mark.parametrize("corrupt", [garbage_in_header, all_garbage], ids=["header", "whole-file"])
-def test_a_corrupt_part_is_named_then_quarantined_and_the_rest_stays_queryable(two_steps, capsys, corrupt):
+def test_a_corrupt_part_is_named_then_quarantined_and_the_rest_stays_queryable(
+    two_steps, tmp_path, capsys, corrupt
+):
     store, store_args = two_steps
     part = step_1_calls_part(store)
     part.write_bytes(corrupt(part.read_bytes()))
     corrupted = part.read_bytes()
 
     # every reader names the part and the way out, in one line
-    for argv in (["traj", "stats", *store_args], ["sql", *store_args, COUNT_SQL]):
+    export = ["traj", "export", str(tmp_path / "out.jsonl"), *store_args]
+    for argv in (["traj", "stats", *store_args], ["sql", *store_args, COUNT_SQL], export):
         assert main(argv) == 2
         line = one_error_line(capsys.readouterr().err)
         assert str(part) in line and "unreadable calls part" in line and "--quarantine" in line, line

@@ -220,7 +220,14 @@ class Store:
         """All visible rows of one dataset as one Arrow table (small datasets and tests)."""
         tables = []
         for path in self.visible_parts(kind):
-            table = pq.read_table(io.BytesIO(self.read_bytes(path)))
+            try:
+                table = pq.read_table(io.BytesIO(self.read_bytes(path)))
+            except (OSError, pa.ArrowException) as error:  # pyarrow's message names no file
+                reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise StoreError(
+                    f"{self.url(path)}: unreadable {kind} part: {reason}; `gyre traj check --quarantine` "
+                    "moves unreadable parts aside so the rest stays readable"
+                ) from error
             check_table(table, kind, path)
             tables.append(table.select(SCHEMAS[kind].names).cast(SCHEMAS[kind]))
         if not tables:
