@@ -46,8 +46,9 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
+from engines.model.weights import load_model, read_weights, save_weights
 from engines.train.config import LossConfig, TrainerConfig
-from engines.train.core import CoreTrainer, load_weights
+from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.reference import (
     clear_grads,
@@ -58,7 +59,7 @@ from engines.train.reference import (
     per_path_jobs,
     tree_backward,
 )
-from engines.train.satellite import load_policy_model, satellite_main
+from engines.train.satellite import satellite_main
 from engines.train.tree_attention import build_plan
 from engines.train.worker import GradWorker
 from trajectory_store import synth
@@ -157,7 +158,7 @@ def _attention_pairs(batch: PackedBatch) -> dict[str, int]:
 
 
 def _equality(model_dir: str, batch: PackedBatch) -> dict[str, float]:
-    agreement = compare(load_policy_model(model_dir), batch.sequences, len(batch.advantages))
+    agreement = compare(load_model(model_dir, dtype="float32"), batch.sequences, len(batch.advantages))
     return {
         "tree_vs_path_max_abs_logprob_diff": agreement.max_abs_logprob_diff,
         "tree_vs_path_grad_rel_diff": agreement.grad_rel_diff,
@@ -171,8 +172,8 @@ def _throughput(
     the lean per-path baseline (``extra_repeats`` times: the quick run times them once)."""
     config = LossConfig()
     n_executions = len(batch.advantages)
-    worker = GradWorker(load_policy_model(model_dir), config)
-    naive_model = load_policy_model(model_dir)
+    worker = GradWorker(load_model(model_dir, dtype="float32"), config)
+    naive_model = load_model(model_dir, dtype="float32")
     jobs = per_path_jobs(batch.sequences)
 
     def tree() -> torch.Tensor:
@@ -242,7 +243,7 @@ def _batch_figures(batch: PackedBatch) -> dict[str, int]:
 def _branched(model_dir: str, root: str, vocab: int, size: dict[str, Any], repeats: int) -> dict[str, Any]:
     """The throughput section on a workload whose calls are retried far more often."""
     batch, naive_selected = workload(root, vocab, size, p_retry=P_RETRY_BRANCHED)
-    near_policy_behaviour(batch.sequences, load_policy_model(model_dir))
+    near_policy_behaviour(batch.sequences, load_model(model_dir, dtype="float32"))
     figures: dict[str, Any] = {"p_retry": P_RETRY_BRANCHED, "batch": _batch_figures(batch)}
     figures.update(_throughput(model_dir, batch, repeats=repeats, extra=False))
     figures["selected_trajectory_tokens"] = naive_selected
@@ -264,7 +265,7 @@ def _elastic(model_dir: str, batch: PackedBatch, workdir: str) -> dict[str, Any]
     results: dict[str, Any] = {}
     reference_grad = None
     for n_satellites in (0, 1, 2):
-        core = CoreTrainer(load_policy_model(model_dir), TrainerConfig(lr=1e-5, zero_stage=1))
+        core = CoreTrainer(load_model(model_dir, dtype="float32"), TrainerConfig(lr=1e-5, zero_stage=1))
         coordinator = ElasticCoordinator(core)
         queue = context.Queue()
         ready = [context.Event() for _ in range(n_satellites)]
@@ -299,11 +300,9 @@ def _elastic(model_dir: str, batch: PackedBatch, workdir: str) -> dict[str, Any]
         }
         coordinator.close()
     weights = os.path.join(weights_dir, "pull.safetensors")
-    from engines.train.core import save_weights
-
-    save_weights(load_policy_model(model_dir).state_dict(), weights, 0)
+    save_weights(load_model(model_dir, dtype="float32").state_dict(), weights, 0)
     started = time.perf_counter()
-    load_weights(weights, expected_version=0)
+    read_weights(weights, expected_version=0)
     results["weight_pull_in_core_s"] = time.perf_counter() - started
     results["weight_bytes"] = os.path.getsize(weights)
     results["elastic_grad_rel_diff"] = max(
@@ -321,7 +320,7 @@ def run(quick: bool) -> dict[str, Any]:
         vocab = _model_folder(size["preset"], model_dir)
         # token ids the tiny model (the equality check) and the measured model both have
         batch, naive_selected = workload(os.path.join(workdir, "data"), min(vocab, 4096), size)
-        near_policy_behaviour(batch.sequences, load_policy_model(model_dir))
+        near_policy_behaviour(batch.sequences, load_model(model_dir, dtype="float32"))
         tiny_dir = model_dir
         if size["preset"] != "tiny":  # the equality check runs on the tiny model, whatever the run
             tiny_dir = os.path.join(workdir, "tiny")

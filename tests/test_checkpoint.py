@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.model.weights import read_weights
 from engines.train.config import TrainerConfig
-from engines.train.core import CoreTrainer, load_weights
+from engines.train.core import CoreTrainer
 from tests.train_fixtures import tiny_model
 
 pytestmark = pytest.mark.slow
@@ -46,11 +47,11 @@ def test_published_policy_is_versioned(tmp_path):
     assert published.version == 1
     assert published.uri.endswith("policy/v1/model.safetensors")
     assert (tmp_path / "store" / "policy" / "v1" / "config.json").exists()
-    state, version = load_weights(published.local_path, expected_version=1)
+    state, version = read_weights(published.local_path, expected_version=1)
     assert version == 1
     model = tiny_model(6)
     model.load_state_dict(state, strict=False)
     for name, value in core.weights().items():
         torch.testing.assert_close(model.state_dict()[name], value)
     with pytest.raises(ValueError, match="holds policy version 1, expected 2"):
-        load_weights(published.uri, expected_version=2)
+        read_weights(published.uri, expected_version=2)

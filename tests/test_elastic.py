@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from engines.model.weights import load_model
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
@@ -70,9 +71,7 @@ def setup(tmp_path_factory, one_thread):
 
 
 def _load(model_dir: str) -> torch.nn.Module:
-    from engines.train.satellite import load_policy_model
-
-    return load_policy_model(model_dir)
+    return load_model(model_dir, dtype=torch.float32)
 
 
 def _update_diff(weights, setup) -> float:

@@ -367,6 +367,28 @@ def test_load_model_casts_to_the_dtype_asked_for(tiny):
     assert model.dtype == torch.bfloat16 and not model.training
 
 
+def test_weight_files_carry_their_version_and_store_tied_weights_once(tiny, tmp_path):
+    from engines.model import read_weights, save_weights
+
+    model = load_model(tiny)
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # tied
+    path = tmp_path / "fast" / "policy-v7.safetensors"
+    save_weights(state, path, 7)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    loaded, version = read_weights(path, expected_version=7)
+    assert version == 7
+    assert set(loaded) == set(state) - {"lm_head.weight"}
+    assert all(torch.equal(loaded[name], state[name]) for name in loaded)
+    with pytest.raises(ValueError, match="holds policy version 7, expected 8"):
+        read_weights(path, expected_version=8)
+    folder_state, folder_version = read_weights(tiny)  # an HF folder: its safetensors, no version
+    assert folder_version is None and set(folder_state) == set(loaded)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        read_weights(tmp_path / "empty")
+
+
 # -- the command line --------------------------------------------------------------------------------
 def test_cli_init_refuses_to_overwrite_unless_forced(tmp_path, cli_env, capsys):
     from tasks.model import init_model as init_task

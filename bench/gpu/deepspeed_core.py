@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from bench.engine_workload import device_clock
-from bench.gpu.run import Run, load_folder, peak_gb, quiet_transformers, tail
+from bench.gpu.run import Run, peak_gb, quiet_transformers, tail
+from engines.model.weights import load_model
 from engines.train.config import TrainerConfig
 from trajectory_store.processor import PackedSequence
 
@@ -85,7 +86,7 @@ def _deepspeed_steps(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
         )
     started = time.perf_counter()
-    model = load_folder(folder, "bfloat16", device)
+    model = load_model(folder, "bfloat16", device)
     core = CoreTrainer(model, TrainerConfig(zero_stage=2, dtype="bfloat16"))
     figures: dict[str, Any] = {
         "zero_stage": 2,

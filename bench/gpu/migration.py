@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from bench.engine_workload import device_clock
-from bench.gpu.run import Run, attempt, load_folder, quiet_transformers, tail
+from bench.gpu.run import Run, attempt, quiet_transformers, tail
+from engines.model.weights import load_model
 from engines.rollout.config import EngineConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.messages import GenerateRequest, SamplingParams
@@ -28,7 +29,7 @@ def _engine_process(name: str, folder: str, dtype: str, device: str, max_len: in
         if device == "cpu":
             torch.set_num_threads(1)
         engine = RolloutEngine(
-            load_folder(folder, dtype, device),
+            load_model(folder, dtype, device),
             EngineConfig(engine_id=name, device=device, max_model_len=max_len, kv_budget_tokens=8 * max_len),
         )
         dev = engine.runner.device

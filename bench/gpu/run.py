@@ -24,17 +24,9 @@ import torch
 
 from bench.gpu.plan import MEASURED, SECTIONS, make_plan
 from bench.train import workload
+from engines.model.weights import load_model
 from engines.train.reference import PathJob, per_path_jobs
 from trajectory_store.processor import PackedBatch
-
-
-def load_folder(folder: str, dtype: str, device: torch.device | str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, attn_implementation="sdpa", dtype=getattr(torch, dtype), local_files_only=True
-    )
-    return model.to(device).eval()
 
 
 def quiet_transformers() -> None:
@@ -172,7 +164,7 @@ class Run:
         return self.folders[preset]
 
     def load(self, preset: str, dtype: str | None = None, device=None) -> torch.nn.Module:
-        return load_folder(self.folder(preset), dtype or self.plan.dtype, device or self.device)
+        return load_model(self.folder(preset), dtype or self.plan.dtype, device or self.device)
 
     def batch(self) -> PackedBatch:
         """bench/train.py's packed branched batch (token ids < 4096: valid for every preset)."""

@@ -28,7 +28,9 @@ Pieces:
     chat.py      CHAT_TEMPLATE (Qwen2.5 tools format) and parse_tool_calls; pure Python
     build.py     build_model (seeded per-parameter init), count_parameters, init_model
     storage.py   publish a folder to any fsspec URL, fetch one into the local cache
-    loading.py   load_model / load_tokenizer from a folder or URL
+    weights.py   weight files: versioned safetensors (save_weights / read_weights), load_model from an
+                 HF folder or URL
+    loading.py   load_tokenizer from a folder or URL
 
 Exports resolve lazily, so ``from engines.model import parse_tool_calls`` does not import torch.
 """
@@ -43,9 +45,10 @@ if TYPE_CHECKING:
     from engines.model.chat import CHAT_TEMPLATE, TOOL_CALL_FORMAT, parse_tool_calls
     from engines.model.config import PRESETS, ModelConfig, Preset
     from engines.model.corpus import generate_corpus
-    from engines.model.loading import load_model, load_tokenizer
+    from engines.model.loading import load_tokenizer
     from engines.model.storage import fetch_folder, publish_folder
     from engines.model.tokenizer import SPECIAL_TOKENS, build_tokenizer, save_tokenizer
+    from engines.model.weights import load_model, read_weights, save_weights
 
 _EXPORTS = {
     "InitResult": "build",
@@ -59,7 +62,9 @@ _EXPORTS = {
     "ModelConfig": "config",
     "Preset": "config",
     "generate_corpus": "corpus",
-    "load_model": "loading",
+    "load_model": "weights",
+    "read_weights": "weights",
+    "save_weights": "weights",
     "load_tokenizer": "loading",
     "fetch_folder": "storage",
     "publish_folder": "storage",
@@ -85,7 +90,9 @@ __all__ = [
     "load_tokenizer",
     "parse_tool_calls",
     "publish_folder",
+    "read_weights",
     "save_tokenizer",
+    "save_weights",
 ]
 
 

@@ -1,33 +1,17 @@
-"""Loads a policy model or tokenizer from a local folder or any fsspec URL, never from a hub.
+"""Loads a policy's tokenizer from a local folder or any fsspec URL, never from a hub.
 
-A remote folder is fetched into the local cache first (`storage.fetch_folder`); transformers then
-reads it with ``local_files_only=True``.
+A remote folder is fetched into the local cache first (`storage.fetch_folder`, tokenizer files only);
+transformers then reads it with ``local_files_only=True``. The model's weights load through
+`weights.load_model`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engines.model.storage import TOKENIZER_FILE_PATTERNS, fetch_folder
-
-
-def load_model(
-    url_or_path: str | Path,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device = "cpu",
-    *,
-    s3_endpoint_url: str | None = None,
-    cache_dir: str | Path | None = None,
-) -> PreTrainedModel:
-    """The causal LM at ``url_or_path`` in eval mode on ``device``; ``dtype`` None keeps the saved one."""
-    folder = fetch_folder(str(url_or_path), s3_endpoint_url=s3_endpoint_url, cache_dir=cache_dir)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto", local_files_only=True)
-    return model.to(device).eval()
 
 
 def load_tokenizer(

@@ -34,12 +34,13 @@ from collections import deque
 
 import torch
 
+from engines.model.weights import read_weights
 from engines.protocol import common_prefix
 from engines.rollout.config import EngineConfig
 from engines.rollout.kv import DecodeBatch, KVRows
 from engines.rollout.messages import FinishReason, GenerateOutput, GenerateRequest
 from engines.rollout.migration import DecodeState, SessionState
-from engines.rollout.runner import ModelRunner, read_weights
+from engines.rollout.runner import ModelRunner
 from engines.rollout.sampling import request_generator, sample_rows
 from engines.rollout.state import EngineStats, RequestState, Session
 

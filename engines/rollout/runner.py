@@ -9,14 +9,11 @@ never involved.
 
 from __future__ import annotations
 
-import glob
 import os
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
+from engines.model.weights import load_model
 from engines.rollout.config import EngineConfig
 from engines.rollout.kv import KVRows, KVShape, decode_mask, prefill_mask
 
@@ -29,35 +26,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def read_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int | None]:
-    """A safetensors file, or every *.safetensors of an HF folder; plus the 'version' in its metadata."""
-    path = str(path)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors under {path}")
-    state: dict[str, torch.Tensor] = {}
-    version = None
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            meta = handle.metadata() or {}
-        if "version" in meta:
-            version = int(meta["version"])
-        state.update(load_file(file))
-    return state, version
-
-
 class ModelRunner:
     """Owns the model. Attributes: model, shape (KVShape of its cache), vocab_size, max_model_len."""
 
     def __init__(self, model_or_path: torch.nn.Module | str | os.PathLike, config: EngineConfig):
         device = resolve_device(config.device)
         if isinstance(model_or_path, (str, os.PathLike)):
-            from transformers import AutoModelForCausalLM
-
-            dtype = DTYPES.get(config.dtype, "auto")
-            model = AutoModelForCausalLM.from_pretrained(
-                str(Path(model_or_path)), dtype=dtype, local_files_only=True
-            )
+            model = load_model(model_or_path, dtype=DTYPES.get(config.dtype))  # "auto": the saved dtype
         else:
             model = model_or_path
         if config.dtype != "auto":

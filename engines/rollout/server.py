@@ -60,6 +60,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
+from engines.model.weights import read_weights
 from engines.protocol import (
     ChoiceLogprobs,
     EngineChoice,
@@ -78,7 +79,6 @@ from engines.rollout.engine import RolloutEngine
 from engines.rollout.loop import EngineLoop
 from engines.rollout.messages import GenerateOutput, GenerateRequest, SamplingParams
 from engines.rollout.migration import ShmHandle, ShmTransport
-from engines.rollout.runner import read_weights
 
 
 class WeightsRequest(BaseModel):

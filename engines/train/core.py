@@ -22,8 +22,8 @@ from pathlib import Path
 
 import fsspec
 import torch
-from safetensors.torch import load_file, save_file
 
+from engines.model.weights import save_weights
 from engines.train.config import TrainerConfig
 from engines.train.worker import GradWorker
 
@@ -84,33 +84,6 @@ def default_fast_dir() -> str:
         "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     )
     return os.path.join(base, f"gyre-{os.getuid()}")
-
-
-def save_weights(state: dict[str, torch.Tensor], path: str, version: int) -> None:
-    """safetensors with the version in its metadata, written under a temporary name then renamed."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    unique = {}
-    seen: dict[int, str] = {}
-    for name, tensor in state.items():
-        key = tensor.data_ptr()
-        if key in seen:  # tied weights (lm_head = embeddings) are stored once
-            continue
-        seen[key] = name
-        unique[name] = tensor.detach().contiguous().cpu()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(unique, tmp, metadata={"version": str(version)})
-    os.replace(tmp, path)
-
-
-def load_weights(path: str, expected_version: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
-    """Loads published weights; refuses a file whose version is not the expected one."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as handle:
-        version = int((handle.metadata() or {}).get("version", -1))
-    if expected_version is not None and version != expected_version:
-        raise ValueError(f"{path} holds policy version {version}, expected {expected_version}")
-    return load_file(path), version
 
 
 class CoreTrainer:

@@ -33,7 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines.train.core import CoreTrainer, load_weights, save_weights
+from engines.model.weights import read_weights, save_weights
+from engines.train.core import CoreTrainer
 from engines.train.worker import GradWorker, StepStats
 from trajectory_store.processor import PackedSequence
 
@@ -314,7 +315,7 @@ def run_satellite(
     heartbeat = _Heartbeat(store, f"hb/{sid}", config.heartbeat_s)
     try:
         pulled = time.perf_counter()
-        state, version = load_weights(meta["weights"], expected_version=meta["version"])
+        state, version = read_weights(meta["weights"], expected_version=meta["version"])
         worker.load_weights(state, version)
         pull_s = time.perf_counter() - pulled
         sequences = load_batch(meta["batch_uri"])

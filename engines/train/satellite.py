@@ -18,6 +18,7 @@ import fsspec
 import pyarrow.parquet as pq
 import torch
 
+from engines.model.weights import load_model
 from engines.train.config import LossConfig
 from engines.train.elastic import ElasticConfig, run_satellite
 from engines.train.worker import GradWorker
@@ -27,14 +28,6 @@ from trajectory_store.processor import PackedSequence, table_to_sequences
 def read_batch(uri: str) -> list[PackedSequence]:
     with fsspec.open(uri, "rb") as handle:
         return table_to_sequences(pq.read_table(io.BytesIO(handle.read())))
-
-
-def load_policy_model(model_dir: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        model_dir, attn_implementation="sdpa", dtype=torch.float32, local_files_only=True
-    )
 
 
 def satellite_main(
@@ -51,7 +44,7 @@ def satellite_main(
     ready=None,
 ) -> dict:
     torch.set_num_threads(threads)
-    worker = GradWorker(load_policy_model(model_dir), LossConfig(**(loss or {})))
+    worker = GradWorker(load_model(model_dir, dtype=torch.float32), LossConfig(**(loss or {})))
 
     def join_when(store) -> bool:
         return store.add("claim", 0) >= join_after_claims

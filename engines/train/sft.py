@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.model.loading import load_model, load_tokenizer
+from engines.model.loading import load_tokenizer
+from engines.model.weights import load_model
 from engines.train.tree import target_logprobs
 from trajectory_store.processor import PackedSequence
 

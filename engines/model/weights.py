@@ -1,0 +1,93 @@
+"""Weight files: every read and write of policy weights goes through here.
+
+Two formats:
+
+- A policy version: one safetensors file whose metadata holds ``{"version": "<n>"}``. The core cell
+  writes one per optimizer step (``save_weights``: tied tensors stored once, written under a
+  temporary name then renamed, so a reader never sees half a file); engines and satellites read it
+  back (``read_weights``), refusing a version they did not expect.
+- A Hugging Face model folder (``config.json``, ``*.safetensors``, tokenizer files) on a local path
+  or any fsspec URL: ``load_model`` builds the causal LM from it with transformers, local files only
+  (a remote folder is fetched into the local cache first, `storage.fetch_folder`), SDPA attention
+  (tree-packed training needs an attention that honours a 4D mask). ``read_weights`` also takes such
+  a folder and returns the tensors of all its safetensors files.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from engines.model.storage import fetch_folder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+VERSION_KEY = "version"  # the safetensors metadata key of a policy version
+
+
+def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, version: int) -> None:
+    """Writes ``state`` as policy ``version``: tied tensors (lm_head = embeddings) once, atomically."""
+    path = str(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    unique = {}
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        unique[name] = tensor.detach().contiguous().cpu()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file(unique, tmp, metadata={VERSION_KEY: str(version)})
+    os.replace(tmp, path)
+
+
+def read_weights(
+    path: str | os.PathLike, expected_version: int | None = None
+) -> tuple[dict[str, torch.Tensor], int | None]:
+    """The tensors of a safetensors file, or of every ``*.safetensors`` of an HF folder, and the policy
+    version in their metadata (None when there is none). With ``expected_version``, a file holding
+    another version is refused (ValueError) before its tensors are read."""
+    path = str(path)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {path}")
+    version = None
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            meta = handle.metadata() or {}
+        if VERSION_KEY in meta:
+            version = int(meta[VERSION_KEY])
+    if expected_version is not None and version != expected_version:
+        raise ValueError(f"{path} holds policy version {version}, expected {expected_version}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return state, version
+
+
+def load_model(
+    url_or_path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    *,
+    s3_endpoint_url: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> PreTrainedModel:
+    """The causal LM of the HF folder at ``url_or_path``, in eval mode on ``device``; ``dtype`` None
+    keeps the saved one."""
+    from transformers import AutoModelForCausalLM
+
+    folder = fetch_folder(str(url_or_path), s3_endpoint_url=s3_endpoint_url, cache_dir=cache_dir)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="sdpa", dtype=dtype or "auto", local_files_only=True
+    )
+    return model.to(device).eval()
