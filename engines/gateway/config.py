@@ -68,8 +68,9 @@ class EngineSpec(BaseModel):
     url: str = Field(description="base URL of the engine's HTTP server, e.g. http://127.0.0.1:8100")
     engine_id: str | None = Field(
         None,
-        description="name in routing, stats and records; None = the engine's own id from /admin/stats, "
-        "else 'engine-<n>'",
+        description="the engine's id in routing, stats, responses and records. Our engines name themselves "
+        "(/v1/models, from their --engine-id): None takes that id, and a different one is refused; for an "
+        "engine without an id of its own (vLLM) None means 'engine-<n>'",
     )
     admin_token: str | None = Field(
         None,

@@ -76,20 +76,21 @@ class EngineClient:
     def load(self) -> int:
         return len(self.sessions) + self.in_flight
 
-    async def probe(self) -> None:
-        """Reads the served model (and, with an admin token, the engine's id and policy version)."""
+    async def probe(self) -> str | None:
+        """Reads the served model and its limits (and, with an admin token, the policy version); returns
+        the engine's own id: our engines give it in /v1/models (no token needed) and /admin/stats; a
+        vLLM engine has none (None)."""
         models = self._parse(ModelList, await self._request("GET", "/v1/models"))
+        own_id = None
         if models.data:
             self.model_name = models.data[0].id
             self.max_model_len = models.data[0].max_model_len
+            own_id = models.data[0].engine_id
         if self.admin_token:
             stats = await self._request("GET", "/admin/stats", admin=True)
             self.policy_version = stats.get("policy_version")
-
-    async def own_engine_id(self) -> str | None:
-        if not self.admin_token:
-            return None
-        return (await self._request("GET", "/admin/stats", admin=True)).get("engine_id")
+            own_id = own_id or stats.get("engine_id")
+        return own_id
 
     async def generate(self, request: EngineCompletionRequest) -> EngineCompletion:
         if self.model_name is not None:

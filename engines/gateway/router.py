@@ -102,7 +102,13 @@ class Router:
     ) -> tuple[EngineClient, EngineClient | None]:
         """Connects to the engine at spec.url, reads its model and id, and adds it: (the engine, the engine
         it replaced). ``admin_token`` is the default of an engine whose spec gives none. 502 when the engine
-        cannot be reached or answers out of protocol."""
+        cannot be reached or answers out of protocol.
+
+        One id per engine, everywhere (routing, /admin/stats, responses, records): the engine's own id
+        (engines/protocol.py ModelCard.engine_id); ``spec.engine_id`` may name it only as it names itself
+        (409 otherwise); an engine with no id of its own (vLLM) is spec.engine_id or 'engine-<n>'. An id
+        already taken by a live engine at another URL is refused (409): it would take that engine's
+        place; the same URL (a restart) or a dead engine is replaced."""
         engine = EngineClient(
             spec.engine_id or "pending",
             spec.url,
@@ -111,18 +117,45 @@ class Router:
             timeout_s=timeout_s,
         )
         try:
-            await engine.probe()
-            if spec.engine_id is None:
-                engine.engine_id = await engine.own_engine_id() or f"engine-{len(self.engines)}"
+            own_id = await engine.probe()
         except (EngineDown, EngineRejected) as exc:
             await engine.close()
             raise GatewayError(
                 502, f"cannot add the engine at {spec.url}: {exc}", code="engine_unreachable"
             ) from exc
+        try:
+            engine.engine_id = self._engine_id(spec, own_id, engine.url)
+        except GatewayError:
+            await engine.close()
+            raise
         old = self.add(engine)
         if old is not None:
             await old.close()
         return engine, old
+
+    def _engine_id(self, spec: EngineSpec, own_id: str | None, url: str) -> str:
+        if spec.engine_id is not None and own_id is not None and spec.engine_id != own_id:
+            raise GatewayError(
+                409,
+                f"the engine at {spec.url} is {own_id!r}, not {spec.engine_id!r}: add it without engine_id, "
+                f"or start it with --engine-id {spec.engine_id}",
+                code="engine_id_mismatch",
+            )
+        engine_id = own_id or spec.engine_id
+        if engine_id is None:
+            n = len(self.engines)
+            while f"engine-{n}" in self.engines:
+                n += 1
+            engine_id = f"engine-{n}"
+        taken = self.engines.get(engine_id)
+        if taken is not None and taken.state != "dead" and taken.url != url:
+            raise GatewayError(
+                409,
+                f"engine id {engine_id!r} is taken by the live engine at {taken.url}: start the engine at "
+                f"{spec.url} with its own --engine-id",
+                code="engine_id_taken",
+            )
+        return engine_id
 
     def add(self, engine: EngineClient) -> EngineClient | None:
         """Adds (or replaces, e.g. a restarted dead engine) an engine; returns the replaced one."""

@@ -358,7 +358,7 @@ class Gateway:
         self.stats.stop_string_cuts += out.cut
         engine = result.engine
         version = min(out.versions) if out.versions else (engine.policy_version or 0)
-        engine_id = gyre.engine_id or engine.engine_id
+        engine_id = engine.engine_id  # the engine's own id (Router.connect), as in routing and stats
         migrated = result.migrated or gyre.migrated
         call_id = execution.calls
         self.recording.record_call_soon(

@@ -127,7 +127,12 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=model_name, created=int(time.time()), max_model_len=engine.runner.max_model_len)
+        card = ModelCard(
+            id=model_name,
+            created=int(time.time()),
+            max_model_len=engine.runner.max_model_len,
+            engine_id=engine.config.engine_id,
+        )
         return ModelList(data=[card])
 
     @app.post("/v1/completions")
@@ -302,7 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-budget-tokens", type=int, default=262_144)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--engine-id", default="rollout-0")
+    parser.add_argument(
+        "--engine-id",
+        default=None,
+        help="this engine's id in the gateway's routing, stats and records (default: rollout-<port>)",
+    )
     args = parser.parse_args(argv)
     token = args.admin_token or os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN")  # the one env read
     config = EngineConfig(
@@ -310,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_budget_tokens=args.kv_budget_tokens,
         dtype=args.dtype,
         device=args.device,
-        engine_id=args.engine_id,
+        engine_id=args.engine_id or f"rollout-{args.port}",
     )
     app = create_app(RolloutEngine(args.model, config), admin_token=token, model_name=args.served_model_name)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
