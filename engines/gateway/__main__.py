@@ -8,6 +8,7 @@ $GYRE_ROLLOUT_ADMIN_TOKEN. These are the only environment reads of the gateway.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 import sys
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-root", default="./gyre-data", help="fsspec URL of the trajectory store")
     parser.add_argument("--campaign", default="default")
     parser.add_argument("--step", type=int, default=0, help="step of executions registered without one")
+    parser.add_argument(
+        "--access-log", action="store_true", help="one line per HTTP request on stderr (off by default)"
+    )
     limits = parser.add_argument_group("limits (LimitsConfig: what one request or execution may ask for)")
     for name, field in LimitsConfig.model_fields.items():  # one option per field: --max-prompt-chars ...
         limits.add_argument(
@@ -64,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         limits=LimitsConfig(**{name: getattr(args, name) for name in LimitsConfig.model_fields}),
         store=StoreConfig(data_root=args.data_root, campaign=args.campaign),
         step=args.step,
+        access_log=args.access_log,
     )
 
 
@@ -73,7 +78,14 @@ def serve(config: GatewayConfig) -> None:
     from engines.gateway.app import create_app
     from engines.gateway.service import Gateway
 
-    app = create_app(Gateway(config))
+    if config.access_log:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        access = logging.getLogger("engines.gateway.access")
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+        access.propagate = False
+    app = create_app(Gateway(config), banner=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
 
 

@@ -26,6 +26,10 @@ Content-Length first, then while reading); 422 a finish whose reward is not fini
 sent as SSE chunks (role, content, tool calls, finish, usage) and [DONE]; the engine API has no token
 streaming.
 
+Start and access log: create_app(gateway, banner=True) prints one line once the engines are added
+(address, engines, data root, campaign, step); with GatewayConfig.access_log (--access-log, off by default)
+every request is logged as one line (OverheadTimer below), on stderr when run by __main__.py.
+
 Timing: a small ASGI wrapper measures each completion request from arrival to the last body byte sent,
 minus the time spent waiting on engines: gateway.overhead_ms (p50/p99 in /admin/stats).
 """
@@ -36,6 +40,7 @@ import json
 import logging
 import re
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -66,14 +71,19 @@ from engines.gateway.service import Gateway
 from trajectory_store.schema import Role
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("engines.gateway.access")
 Body = TypeVar("Body", bound=BaseModel)
 _ID = re.compile(ID_PATTERN)
 
 
-def create_app(gateway: Gateway) -> FastAPI:
+def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
+    """The app (wrapped in OverheadTimer). ``banner``: print gateway.banner() on stderr once started."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.start()
+        if banner:
+            print(gateway.banner(), file=sys.stderr, flush=True)
         try:
             yield
         finally:
@@ -260,7 +270,13 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 class OverheadTimer:
     """ASGI wrapper: per completion request, arrival to last byte sent minus the engine time the handler
-    reported (request.state.gyre_engine_s), into gateway.overhead_ms. Other paths pass straight through."""
+    reported (request.state.gyre_engine_s), into gateway.overhead_ms. With config.access_log, one line per
+    HTTP request on the ``engines.gateway.access`` logger (INFO):
+
+        127.0.0.1:50312 "POST /x/e1/v1/chat/completions" 200 41.2 ms (engine 38.9 ms)
+
+    (client, method and path, status, milliseconds to the last byte, engine time for completions; never
+    a header, a key or a body). Other paths pass straight through when the access log is off."""
 
     def __init__(self, app: FastAPI, gateway: Gateway):
         self.app = app
@@ -270,14 +286,36 @@ class OverheadTimer:
     async def __call__(
         self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
     ) -> None:
-        if scope["type"] != "http" or not scope["path"].endswith("completions"):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        access_log = self.gateway.config.access_log
+        timed = scope["path"].endswith("completions")
+        if not (timed or access_log):
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        await self.app(scope, receive, send)
-        engine_s = scope.get("state", {}).get("gyre_engine_s")
-        if engine_s is not None:
-            self.gateway.overhead_ms.append((time.perf_counter() - start - engine_s) * 1e3)
+        status = 500  # what the client gets when the app fails before answering
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status if access_log else send)
+        finally:
+            seconds = time.perf_counter() - start
+            engine_s = scope.get("state", {}).get("gyre_engine_s")
+            if timed and engine_s is not None:
+                self.gateway.overhead_ms.append((seconds - engine_s) * 1e3)
+            if access_log:
+                client = scope.get("client") or ("-", 0)
+                line = f'{client[0]}:{client[1]} "{scope["method"]} {scope["path"]}" {status} {seconds * 1e3:.1f} ms'
+                if engine_s is not None:
+                    line += f" (engine {engine_s * 1e3:.1f} ms)"
+                access_logger.info(line)
 
 
 def _bearer(request: Request) -> str:

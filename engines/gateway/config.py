@@ -126,6 +126,12 @@ class GatewayConfig(BaseModel):
         description="per (execution, agent), the last this-many calls' token ids are kept for reuse; an "
         "older context sent again is re-tokenized (and counted)",
     )
+    access_log: bool = Field(
+        False,
+        description="log one line per HTTP request (client, method and path, status, milliseconds, engine "
+        "milliseconds of a completion; never a key or a body) on the engines.gateway.access logger, which "
+        "python -m engines.gateway prints on stderr",
+    )
     overhead_samples: int = Field(
         10_000, ge=100, description="how many recent per-call overhead timings /admin/stats summarizes"
     )

@@ -130,6 +130,17 @@ class Gateway:
     async def flush(self) -> dict[str, Any]:
         return await self.recording.flush()
 
+    def banner(self) -> str:
+        """One line saying where the gateway serves, what stands behind it and where calls land."""
+        config = self.config
+        engines = ", ".join(f"{e.engine_id} {e.url}" for e in self.router.engines.values()) or "none yet"
+        public = f" (base_urls under {config.public_url})" if config.public_url else ""
+        return (
+            f"gyre gateway on http://{config.host}:{config.port}{public}: engines {engines}; "
+            f"data root {config.store.data_root}, campaign {config.store.campaign}, step {config.step}; "
+            f"admin API {'on' if config.admin_token else 'off'}, access log {'on' if config.access_log else 'off'}"
+        )
+
     # admin ------------------------------------------------------------------------------------------
     async def add_engine(self, body: AddEngine) -> dict[str, Any]:
         spec = EngineSpec(url=body.url, engine_id=body.engine_id, admin_token=body.admin_token)

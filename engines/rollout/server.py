@@ -1,6 +1,7 @@
 """HTTP front of one RolloutEngine: a vLLM-shaped OpenAI completions API on token ids, plus admin.
 
     python -m engines.rollout.server --model ./models/tiny --port 8100 --admin-token "$TOKEN"
+        (prints one line on stderr when the model is loaded: engine id, address, model, device, limits)
     app = create_app(engine, admin_token="...")          # then run it with uvicorn yourself
 
 Endpoints (request and response models: engines/protocol.py, which the gateway imports too):
@@ -51,6 +52,7 @@ import argparse
 import asyncio
 import os
 import secrets
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -321,8 +323,25 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         engine_id=args.engine_id or f"rollout-{args.port}",
     )
-    app = create_app(RolloutEngine(args.model, config), admin_token=token, model_name=args.served_model_name)
+    engine = RolloutEngine(args.model, config)
+    app = create_app(engine, admin_token=token, model_name=args.served_model_name)
+    print(
+        banner(engine, f"http://{args.host}:{args.port}", args.model, admin=token is not None),
+        file=sys.stderr,
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+def banner(engine: RolloutEngine, url: str, model: str, *, admin: bool) -> str:
+    """The one line an engine prints when it starts: its id and address, the model and where it runs."""
+    runner = engine.runner
+    return (
+        f"gyre rollout engine {engine.config.engine_id} on {url}: model {model} on {runner.device} "
+        f"({runner.shape.dtype}), policy version {engine.policy_version}, max_model_len {runner.max_model_len}, "
+        f"max batch {engine.config.max_batch_size}, KV budget {engine.config.kv_budget_tokens} tokens; "
+        f"admin API {'on' if admin else 'off'}"
+    )
 
 
 if __name__ == "__main__":
