@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from engines.model.tokenizer import save_tokenizer
 from engines.train.sft import (
@@ -22,6 +22,7 @@ from environments.demos import demonstration, demonstrations
 from environments.harness import TOOLS
 from environments.problems import generate
 from tests.test_gateway_fixtures import tokenizer
+from tests.train_fixtures import tiny_model
 
 
 def test_demonstrations_play_the_reference_solution_through_the_harness_tools():
@@ -69,19 +70,7 @@ def test_copy_drills_target_only_the_second_copy_of_a_text():
 
 
 def _model(vocab: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    return Qwen2ForCausalLM(config).float()
+    return tiny_model(0, vocab=vocab, max_positions=4096)
 
 
 def test_a_prefix_tree_batch_gives_the_loss_of_one_by_one_training():

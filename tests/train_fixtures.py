@@ -16,16 +16,19 @@ from trajectory_store.storage import Store, StoreConfig
 VOCAB = 64
 
 
-def tiny_model(seed: int = 0, attn: str = "sdpa") -> Qwen2ForCausalLM:
+def tiny_model(
+    seed: int = 0, attn: str = "sdpa", *, vocab: int = VOCAB, max_positions: int = 512
+) -> Qwen2ForCausalLM:
+    """A 2-layer, 32-wide Qwen2 with tied embeddings, seeded: the training tests' policy."""
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=64,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         attn_implementation=attn,
     )
