@@ -257,7 +257,9 @@ class Gateway:
             outcome = await self._call(execution, agent, role, plan.prompt_ids, request, plan.reused_tokens)
             content, calls = self.codec.parse_text(outcome.visible_text, tools_on=tools_on)
             message = assistant_message(content, calls, self.new_id)
-            agent.context.commit(plan, outcome.output_ids, message)
+            # a Jinja template renders the whole conversation again here: as costly as the plan
+            work = 0 if self.codec.renderer.incremental else chars
+            await self._tokenize(work, agent.context.commit, plan, outcome.output_ids, message)
         self.stats.reused_prompt_tokens += plan.reused_tokens
         self.stats.tokenized_prompt_tokens += plan.new_tokens
         self.stats.retokenized_assistant_messages += plan.retokenized_assistant
