@@ -109,6 +109,9 @@ class DispatchConfig:
     """Disk quota of each workspace (a tmpfs of this size; None: a plain folder, no quota)."""
     workspace_files: int = 50_000
     """Files and folders a workspace may hold (with a quota)."""
+    campaign: str | None = None
+    """Record the executions in this campaign of the gateway's data root (None: the gateway's own);
+    a held-out evaluation beside a training campaign uses one."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DispatchConfig:
@@ -159,13 +162,22 @@ class GatewayAdmin:
             raise RuntimeError(f"gateway {path} answered {response.status_code}: {response.text[:500]}")
         return response.json()
 
-    async def register(self, execution_id: str, problem: Problem, group_id: str, step: int, harness: str):
+    async def register(
+        self,
+        execution_id: str,
+        problem: Problem,
+        group_id: str,
+        step: int,
+        harness: str,
+        campaign: str | None = None,
+    ):
         body = {
             "execution_id": execution_id,
             "problem_id": problem.problem_id,
             "group_id": group_id,
             "step": step,
             "harness": harness,
+            "campaign": campaign,
         }
         return await self._post("/admin/executions", body)
 
@@ -205,8 +217,12 @@ async def dispatch(
     admin_token: str,
     store: StoreConfig,
     config: DispatchConfig | None = None,
+    members: dict[str, list[int]] | None = None,
 ) -> list[ExecutionOutcome]:
-    """Runs group_size executions of every problem; returns one outcome each (in problem order)."""
+    """Runs group_size executions of every problem; returns one outcome each (in problem order).
+
+    ``members`` (problem id -> member indices) runs only those members of the problems it names: a
+    retried step dispatches what did not finish, never a finished execution again."""
     config = config or DispatchConfig()
     root = config.workspace_root or tempfile.mkdtemp(prefix="gyre-workspaces-")
     Path(root).mkdir(parents=True, exist_ok=True)
@@ -220,7 +236,8 @@ async def dispatch(
                 async with semaphore:
                     return await runner.run(admin, problem, member)
 
-            jobs = [one(p, m) for p in problems for m in range(config.group_size)]
+            everyone = list(range(config.group_size))
+            jobs = [one(p, m) for p in problems for m in (members or {}).get(p.problem_id, everyone)]
             return list(await asyncio.gather(*jobs))
     finally:
         if not config.keep_workspaces:
@@ -242,7 +259,9 @@ class _Runner:
         group_id = f"s{config.step}-{problem.problem_id}"
         outcome = ExecutionOutcome(execution_id, problem.problem_id, group_id, "error", 0.0, "placeholder")
         started = time.monotonic()
-        registration = await admin.register(execution_id, problem, group_id, config.step, self.harness_name)
+        registration = await admin.register(
+            execution_id, problem, group_id, config.step, self.harness_name, config.campaign
+        )
         try:
             await self._execute(problem, execution_id, registration, outcome)
         except Exception as exc:  # one execution's failure never stops the batch: it is recorded

@@ -170,6 +170,12 @@ class RegisterExecution(_Lenient):
     group_id: str | None = None
     step: int | None = Field(None, ge=0)
     harness: str | None = None
+    campaign: str | None = Field(
+        None,
+        pattern=ID_PATTERN,
+        description="record the execution in this campaign of the gateway's data root (default: the "
+        "gateway's own; a held-out evaluation beside a training campaign uses one)",
+    )
 
 
 class FinishExecution(_Lenient):

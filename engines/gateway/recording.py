@@ -2,11 +2,14 @@
 
     recording = CallRecording(store, flush_interval_s=30.0)
     recording.start()                                        # the periodic flush (in a running loop)
-    recording.record_call_soon(step, execution_id, agent_id, role, prompt_ids, output_ids, logprobs,
+    recording.record_call_soon(target, execution_id, agent_id, role, prompt_ids, output_ids, logprobs,
                                policy_version, call_id=..., engine_id=..., finish_reason=..., ...)
-    await recording.record_execution(step, execution_id, status, reward=..., ...)  # RecordError if refused
-    await recording.flush()          # every step's recorder; {calls, executions, quarantined, manifests}
-    await recording.forget(step, execution_id)
+    await recording.record_execution(target, execution_id, status, reward=..., ...)  # RecordError if refused
+    await recording.flush()          # every recorder; {calls, executions, quarantined, manifests}
+    await recording.forget(target, execution_id)
+
+``target`` is (campaign, step): an execution registered with a campaign of its own (a held-out
+evaluation beside the training campaign) is recorded there, any other in the gateway's campaign.
     await recording.close()
 
 Recording runs on ONE dedicated thread (a FIFO executor): the gateway numbers an execution's calls itself
@@ -16,7 +19,7 @@ validation, hashing and prefix-index work stay off the request path; order is ke
 FIFO. Everything else that touches a recorder (record_execution, flush, forget) goes through the same
 queue, so a flush or a finished execution always includes every call answered before it. A call the
 recorder refuses is quarantined by it with its reason, logged and counted (``errors``); the harness still
-has its answer. Recorders: one per step (executions carry their step); flushed when an execution
+has its answer. Recorders: one per (campaign, step) (executions carry both); flushed when an execution
 finishes, on /admin/flush, and every flush_interval_s.
 """
 
@@ -36,13 +39,19 @@ from trajectory_store.storage import Store
 logger = logging.getLogger(__name__)
 
 
+Target = tuple[str | None, int]
+"""Where an execution is recorded: (campaign, step); campaign None = the gateway's own."""
+
+
 class CallRecording:
-    """Attributes: store, recorders (step -> Recorder), errors (calls the recorder refused)."""
+    """Attributes: store (the gateway's campaign), recorders ((campaign, step) -> Recorder), errors
+    (calls the recorder refused)."""
 
     def __init__(self, store: Store, flush_interval_s: float):
         self.store = store
         self.flush_interval_s = flush_interval_s
-        self.recorders: dict[int, Recorder] = {}
+        self.recorders: dict[Target, Recorder] = {}
+        self._stores: dict[str, Store] = {}
         self.errors = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-recorder")
         self._flush_task: asyncio.Task | None = None
@@ -58,29 +67,39 @@ class CallRecording:
         await self.flush()
         self._thread.shutdown(wait=True)
 
-    def recorder(self, step: int) -> Recorder:
-        recorder = self.recorders.get(step)
+    def recorder(self, target: Target) -> Recorder:
+        recorder = self.recorders.get(target)
         if recorder is None:
-            recorder = self.recorders[step] = Recorder(self.store, step)
+            campaign, step = target
+            recorder = self.recorders[target] = Recorder(self._store(campaign), step)
         return recorder
+
+    def _store(self, campaign: str | None) -> Store:
+        if campaign is None or campaign == self.store.config.campaign:
+            return self.store
+        if campaign not in self._stores:
+            self._stores[campaign] = Store(self.store.config.model_copy(update={"campaign": campaign}))
+        return self._stores[campaign]
 
     async def run(self, work: Callable[[], Any]) -> Any:
         """Runs ``work`` on the recording thread after every record queued before it."""
         return await asyncio.wrap_future(self._thread.submit(work))
 
-    def record_call_soon(self, step: int, *args: Any, **fields: Any) -> None:
+    def record_call_soon(self, target: Target, *args: Any, **fields: Any) -> None:
         """Queues Recorder.record_call(*args, **fields) once the running handler yields (after its response
         is written): the recorder's CPU work then never competes with building and sending the answer."""
-        recorder = self.recorder(step)
+        recorder = self.recorder(target)
         asyncio.get_running_loop().call_soon(self._submit, recorder, args, fields)
 
-    async def record_execution(self, step: int, execution_id: str, status: Status, **fields: Any) -> None:
-        recorder = self.recorder(step)
+    async def record_execution(
+        self, target: Target, execution_id: str, status: Status, **fields: Any
+    ) -> None:
+        recorder = self.recorder(target)
         await self.run(lambda: recorder.record_execution(execution_id, status, **fields))
 
-    async def forget(self, step: int, execution_id: str) -> None:
+    async def forget(self, target: Target, execution_id: str) -> None:
         """Drops the execution's prefix index (it takes no more calls)."""
-        recorder = self.recorder(step)
+        recorder = self.recorder(target)
         await self.run(lambda: recorder.forget(execution_id))
 
     async def flush(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class Execution:
     execution_id: str
     api_key: str
     step: int
+    campaign: str | None = None  # None: the gateway's campaign
     problem_id: str | None = None
     group_id: str | None = None
     harness: str | None = None
@@ -69,6 +70,7 @@ class Registry:
             execution_id=body.execution_id,
             api_key="gyre-" + secrets.token_urlsafe(32),
             step=default_step if body.step is None else body.step,
+            campaign=body.campaign,
             problem_id=body.problem_id,
             group_id=body.group_id,
             harness=body.harness,
@@ -104,6 +106,9 @@ class Registry:
                 code="invalid_api_key",
             )
         return execution
+
+    def target(self, execution: Execution) -> tuple[str | None, int]:
+        return (execution.campaign, execution.step)
 
     def finish(self, execution_id: str, status: Status) -> Execution:
         execution = self.get(execution_id)

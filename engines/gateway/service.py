@@ -163,6 +163,7 @@ class Gateway:
         return {
             "execution_id": execution.execution_id,
             "step": execution.step,
+            "campaign": execution.campaign or self.config.store.campaign,
             "base_url": f"{base}/v1",
             "agent_base_url": f"{base}/agents/{{agent_id}}/v1",
             "api_key": execution.api_key,
@@ -174,7 +175,7 @@ class Gateway:
         execution = self.registry.finish(execution_id, body.status)
         try:
             await self.recording.record_execution(
-                execution.step,
+                self.registry.target(execution),
                 execution_id,
                 body.status,
                 problem_id=execution.problem_id,
@@ -196,7 +197,7 @@ class Gateway:
             self.router.release(agent.route.session_id)
         flushed = await self.flush()
         if not busy:  # a call still in flight will record into the prefix index: keep it then
-            await self.recording.forget(execution.step, execution_id)
+            await self.recording.forget(self.registry.target(execution), execution_id)
         return {
             "execution_id": execution_id,
             "status": body.status,
@@ -375,7 +376,7 @@ class Gateway:
         migrated = result.migrated or gyre.migrated
         call_id = execution.calls
         self.recording.record_call_soon(
-            execution.step,
+            self.registry.target(execution),
             execution.execution_id,
             agent.agent_id,
             role,
