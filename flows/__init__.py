@@ -1,1 +1,1 @@
-"""Prefect flows (wiring only), the campaign config and the `gyre` command line."""
+"""Prefect flows (wiring only) and the campaign config."""

@@ -3,8 +3,9 @@
     gyre run [--config configs/demo.toml]
 
 One Prefect flow, four tasks in a row: import the bundled sample trace, rebuild and verify every
-execution's tree, select trajectories by role priority, pack step 0 for the trainer; then it
-prints the per-execution stats and the results of a few example SQL queries.
+execution's tree, select trajectories by role priority, pack step 0 for the trainer; then the
+per-execution stats and a few example SQL queries. It returns them all (DemoSummary); `gyre run` prints
+them (cli/main.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from prefect import flow
 from pydantic import BaseModel
 
 from flows.config import CampaignConfig
-from flows.format import render
 from tasks.trajectory import (
     ImportSummary,
     PackSummary,
@@ -49,25 +49,6 @@ def store_demo(config: CampaignConfig) -> DemoSummary:
     stats = execution_stats(config.store, config.selection, wait_for=[packed])
     examples = example_queries(config.store, config.selection, wait_for=[packed])
 
-    print(
-        f"imported {imported.executions} executions and {imported.calls} calls from {imported.path}: "
-        f"{imported.naive_tokens} tokens as sent, {trees.unique_tokens} unique "
-        f"({imported.naive_tokens / max(trees.unique_tokens, 1):.1f}x), {imported.quarantined} quarantined"
-    )
-    print(
-        f"trees: {trees.tree_nodes} nodes, {trees.policy_tokens} policy tokens, {trees.trajectories} trajectories; "
-        f"{trees.prompts_verified} prompts rebuilt and verified against context_hash"
-    )
-    print(
-        f"selected {selection.selected} trajectories {selection.by_role}, {selection.training_tokens} training tokens"
-    )
-    print(
-        f"packed step 0: {packed.sequences} sequences, {packed.tokens} tokens ({packed.target_tokens} targets, "
-        f"{packed.repeated_tokens} repeated ancestors) -> {packed.uri}"
-    )
-    print("\nper execution:\n" + render(stats.columns, stats.rows))
-    for title, result in examples.items():
-        print(f"\n{title}:\n" + render(result.columns, result.rows))
     return DemoSummary(
         imported=imported, trees=trees, selection=selection, packed=packed, stats=stats, examples=examples
     )

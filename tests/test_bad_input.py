@@ -110,7 +110,7 @@ def sample_lines() -> list[str]:
 def test_bad_record_is_named_quarantined_and_nothing_valid_is_lost(
     variant, sample_lines, tmp_path, cli_env, capsys
 ):
-    from flows.cli import main
+    from cli.main import main
 
     path = tmp_path / f"{variant.name}.jsonl"
     valid, bad = variant.write(sample_lines, path)
@@ -258,7 +258,7 @@ def store_with_future_part(store_config) -> tuple[Store, str]:
 
 
 def test_wrong_schema_version_names_the_file_when_read(store_with_future_part, cli_env, capsys, tmp_path):
-    from flows.cli import main
+    from cli.main import main
 
     store, path = store_with_future_part
 

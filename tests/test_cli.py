@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flows.cli import main
+from cli.main import main
 from trajectory_store.schema import context_hash
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"

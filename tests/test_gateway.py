@@ -378,7 +378,7 @@ def test_the_recorded_policy_version_is_the_engines_after_a_weight_swap(stack):
 
 
 def test_the_cli_has_the_gateway_engine_and_bench_commands():
-    from flows.cli import build_parser
+    from cli.main import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["bench", "engine", "--quick"]).bench_command == "engine"

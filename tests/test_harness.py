@@ -280,7 +280,7 @@ def test_an_external_harness_is_recorded_like_the_builtin_one(tmp_path):
 
 
 def test_gyre_rollout_prints_status_reward_and_branches_of_each_execution(tmp_path, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     def policy(text: str) -> str:
         if turns(text) == 0:

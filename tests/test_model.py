@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import engines.model
+from cli.main import build_parser, main
 from engines.model import (
     ModelConfig,
     count_parameters,
@@ -32,7 +33,6 @@ from engines.model import (
     parse_tool_calls,
 )
 from engines.model.config import PRESETS
-from flows.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 

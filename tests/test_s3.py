@@ -77,7 +77,7 @@ def cli_env(monkeypatch, tmp_path):
 
 
 def test_cli_import_and_sql_on_s3(s3_bucket, cli_env, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     endpoint, bucket = s3_bucket
     store_args = ["--data-root", f"s3://{bucket}/p", "--s3-endpoint-url", endpoint]
@@ -154,7 +154,7 @@ def test_sql_on_s3_is_read_only(s3_bucket, cli_env, capsys):
     """The views read the bucket through the registered s3fs filesystem, and nothing can write it."""
     import duckdb
 
-    from flows.cli import main
+    from cli.main import main
 
     endpoint, bucket = s3_bucket
     store_args = ["--data-root", f"s3://{bucket}/p", "--s3-endpoint-url", endpoint]

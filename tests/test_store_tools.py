@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from flows.cli import main
+from cli.main import main
 from tests.records import SAMPLE, assert_same_records, read_jsonl
 from trajectory_store.db import connect, verify_prompts
 from trajectory_store.interchange import import_jsonl

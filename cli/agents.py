@@ -14,7 +14,7 @@ import os
 import shlex
 from dataclasses import asdict
 
-from flows import settings
+from cli import settings
 
 SUITES = ["repo", "swe", "terminal", "mixed", "folder"]
 

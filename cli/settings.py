@@ -21,7 +21,7 @@ def default_campaign() -> str:
 
 
 def configure_prefect(data_root: str) -> None:
-    """Call before importing prefect (tasks/ and flows/demo.py import it)."""
+    """Call before importing prefect (tasks/ and flows/ import it)."""
     if "://" in data_root and not data_root.startswith("file://"):
         home = Path.home() / ".gyre" / "prefect"  # the Prefect database stays on a local disk
     else:

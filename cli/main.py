@@ -26,9 +26,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from flows import agents_cli, settings
+from cli import agents, settings
+from cli.format import render
 
 if TYPE_CHECKING:
+    from flows.demo import DemoSummary
     from tasks.trajectory import CheckSummary
 
 VIEWS_HELP = (
@@ -151,10 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
     init.add_argument("--force", action="store_true", help="replace the model files already at --out")
     init.add_argument("--s3-endpoint-url", default=None, help="S3 API endpoint (default: AWS variables)")
-    agents_cli.add_sft_parser(model_commands)
-    agents_cli.add_eval_parser(model_commands)
-    agents_cli.add_rollout_parser(commands)
-    agents_cli.add_bench_parser(bench_commands)
+    agents.add_sft_parser(model_commands)
+    agents.add_eval_parser(model_commands)
+    agents.add_rollout_parser(commands)
+    agents.add_bench_parser(bench_commands)
     return parser
 
 
@@ -200,11 +202,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return bench_rollout(quick=args.quick, out=args.out, model=args.model)
     if args.command == "rollout":
-        return agents_cli.run_rollout_command(args)
+        return agents.run_rollout_command(args)
     if args.command == "model" and args.model_command == "sft":
-        return agents_cli.run_sft_command(args)
+        return agents.run_sft_command(args)
     if args.command == "model" and args.model_command == "eval":
-        return agents_cli.run_eval_command(args)
+        return agents.run_eval_command(args)
     if args.command == "gateway":
         from tasks.serve import gateway_options, serve_gateway
 
@@ -243,8 +245,6 @@ def _dispatch(args: argparse.Namespace) -> int:
                 )
             print(f"gyre: {VIEWS_HELP}", file=sys.stderr)
             return 2
-        from flows.format import render
-
         print(render(result.columns, result.rows, args.format))
         return 0
     if args.traj_command == "import":
@@ -276,8 +276,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.format == "json":
             print(json.dumps([dict(zip(result.columns, row, strict=True)) for row in result.rows], indent=1))
         else:
-            from flows.format import render
-
             print(render(result.columns, result.rows))
         return 0
     raise ValueError(f"unknown command {args.command!r}")
@@ -328,8 +326,32 @@ def _run(args: argparse.Namespace) -> int:
         config.store.data_root = args.data_root
     if args.trace:
         config.trace = args.trace
-    store_demo(config)
+    print_demo(store_demo(config))
     return 0
+
+
+def print_demo(summary: DemoSummary) -> None:
+    """The demo flow's results: what was imported, the trees, the selection, the packed step, the stats."""
+    imported, trees, selection, packed = summary.imported, summary.trees, summary.selection, summary.packed
+    print(
+        f"imported {imported.executions} executions and {imported.calls} calls from {imported.path}: "
+        f"{imported.naive_tokens} tokens as sent, {trees.unique_tokens} unique "
+        f"({imported.naive_tokens / max(trees.unique_tokens, 1):.1f}x), {imported.quarantined} quarantined"
+    )
+    print(
+        f"trees: {trees.tree_nodes} nodes, {trees.policy_tokens} policy tokens, {trees.trajectories} trajectories; "
+        f"{trees.prompts_verified} prompts rebuilt and verified against context_hash"
+    )
+    print(
+        f"selected {selection.selected} trajectories {selection.by_role}, {selection.training_tokens} training tokens"
+    )
+    print(
+        f"packed step 0: {packed.sequences} sequences, {packed.tokens} tokens ({packed.target_tokens} targets, "
+        f"{packed.repeated_tokens} repeated ancestors) -> {packed.uri}"
+    )
+    print("\nper execution:\n" + render(summary.stats.columns, summary.stats.rows))
+    for title, result in summary.examples.items():
+        print(f"\n{title}:\n" + render(result.columns, result.rows))
 
 
 if __name__ == "__main__":
