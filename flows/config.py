@@ -3,7 +3,9 @@
     config = CampaignConfig.from_toml("configs/demo.toml")
 
 Each section goes only to the layer it belongs to: [store] -> storage, [selection] -> the DuckDB
-selection views, [packing] -> the processor.
+selection views, [packing] -> the processor, [problems] and [evaluation] -> the campaign's problem
+choice, [dispatch] -> the dispatcher and the harness, [trainer] -> the core cell, [serving] -> the
+processes the campaign starts.
 """
 
 from __future__ import annotations
@@ -13,17 +15,39 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from tasks.campaign import DispatchConfig, EvaluationConfig, ProblemsConfig
+from tasks.services import ServingConfig
+from tasks.train import TrainerConfig
 from tasks.trajectory import PackingConfig, SelectionConfig, StoreConfig
 
 
 class CampaignConfig(BaseModel):
-    name: str = Field("demo", description="a name for the people watching the run")
+    name: str = Field(
+        "demo", description="the campaign: its folder under the data root and its Prefect run name"
+    )
     trace: str | None = Field(
         None, description="JSONL trace the store demo imports (default: the bundled sample)"
+    )
+    policy: str = Field("data/policies/tiny-sft", description="HF folder of the starting policy (version 0)")
+    steps: int = Field(4, ge=0, description="optimizer steps (policy versions) the campaign makes in all")
+    seed: int = Field(0, description="seeds the trainer; problems derive from [problems].seed and the step")
+    max_policy_lag: int = Field(
+        0,
+        ge=0,
+        description="an execution with a call sampled more than this many versions before the one being "
+        "trained is left out (counted as stale); colocate never has lag",
+    )
+    keep_checkpoints: int = Field(
+        2, ge=1, description="the newest checkpoints kept (published policies stay)"
     )
     store: StoreConfig = Field(default_factory=StoreConfig)
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     packing: PackingConfig = Field(default_factory=PackingConfig)
+    problems: ProblemsConfig = Field(default_factory=ProblemsConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    dispatch: DispatchConfig = Field(default_factory=DispatchConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> CampaignConfig:

@@ -218,9 +218,16 @@ def _trees(nodes: pa.Table) -> list[_Tree]:
 
 
 def pack(
-    con: duckdb.DuckDBPyConnection, packing: PackingConfig | None = None, *, step: int | None = None
+    con: duckdb.DuckDBPyConnection,
+    packing: PackingConfig | None = None,
+    *,
+    step: int | None = None,
+    exclude: dict[str, str] | None = None,
 ) -> PackedBatch:
-    """Packs the training trees of one step (or of all steps) into sequences of <= token_budget."""
+    """Packs the training trees of one step (or of all steps) into sequences of <= token_budget.
+
+    ``exclude`` (execution id -> reason) leaves executions out (they join ``skipped`` with the reason);
+    advantages are computed over the executions that stay."""
     packing = packing or PackingConfig()
     step_filter = "" if step is None else f"WHERE e.step = {int(step)}"
     executions = con.sql(
@@ -233,7 +240,9 @@ def pack(
     skipped: dict[str, str] = {}
     rewards: dict[str, tuple[str, float]] = {}
     for execution_id, group, reward, status in executions:
-        if execution_id not in trainable:
+        if exclude and execution_id in exclude:
+            skipped[execution_id] = exclude[execution_id]
+        elif execution_id not in trainable:
             skipped[execution_id] = f"status {status}: nothing selected"
         elif reward is None:
             skipped[execution_id] = "no reward"

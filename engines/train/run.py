@@ -1,0 +1,159 @@
+"""One training step of a campaign in a process of its own: restore, train on the step's packed batch,
+checkpoint, publish the new policy version.
+
+    python -m engines.train.run < request.json     # TrainStepRequest as JSON on stdin
+                                                   # -> TrainStepReport as JSON, the last stdout line
+
+The campaign's train task starts this process for every step (tasks/train.py). Everything the step
+needs is in the request and in storage, so a step whose trainer died is retried by running the
+process again: it restores the previous step's checkpoint (HF weights + DeepSpeed optimizer + step,
+version and RNG state) and makes the same update. A step whose batch is empty (every group's rewards
+were equal, so every advantage is 0) still makes a policy version, without an optimizer step, so that
+"step n trains version n into version n + 1" holds for every step.
+
+Order of writes: checkpoint, then the published policy; the campaign marks the step committed only
+after both (tasks/campaign.py), so a crash in between leaves an uncommitted step that is redone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from pydantic import BaseModel, Field
+
+from engines.model.weights import load_model
+from engines.train.config import TrainerConfig
+from engines.train.core import CoreTrainer
+from engines.train.elastic import ElasticCoordinator
+from trajectory_store.processor import table_to_sequences
+
+
+class TrainStepRequest(BaseModel):
+    step: int = Field(ge=0, description="the campaign step: it trains policy version `step` into `step + 1`")
+    init_model: str = Field(description="HF folder of the campaign's starting policy (used at step 0)")
+    resume_from: str | None = Field(None, description="checkpoint URL of the previous step (None at step 0)")
+    batch_uri: str | None = Field(
+        None, description="the step's packed batch (Parquet); None: nothing to train"
+    )
+    n_executions: int = Field(0, ge=0, description="executions in the batch (the loss averages over them)")
+    checkpoint_url: str = Field(description="where this step's checkpoint is written")
+    policy_root: str = Field(description="the new version is published under <policy_root>/policy/v<n>/")
+    fast_dir: str = Field(description="an in-host folder for the published weights (engines read them here)")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    threads: int = Field(1, ge=1, description="torch threads")
+    seed: int = Field(0, description="the campaign seed (the step's RNG derives from it and the step)")
+
+
+class TrainStepReport(BaseModel):
+    step: int
+    version: int  # the policy version the step made
+    trained: bool  # False: an empty batch, no optimizer step
+    metrics: dict[str, float]
+    checkpoint_url: str
+    policy_uri: str  # in object storage
+    policy_path: str  # in-host copy, what engines hot-swap
+    seconds: float
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _save_rng(url: str) -> None:
+    fs, root = fsspec.core.url_to_fs(url)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rng.pt"
+        torch.save(_rng_state(), path)
+        fs.put_file(str(path), root.rstrip("/") + "/rng.pt")
+
+
+def _load_rng(url: str) -> None:
+    fs, root = fsspec.core.url_to_fs(url)
+    with fs.open(root.rstrip("/") + "/rng.pt", "rb") as handle:
+        state = torch.load(handle, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def train_step(request: TrainStepRequest) -> TrainStepReport:
+    started = time.perf_counter()
+    torch.set_num_threads(request.threads)
+    if request.resume_from is None:
+        if request.step != 0:
+            raise ValueError(
+                f"step {request.step} needs the checkpoint of step {request.step - 1} (resume_from)"
+            )
+        random.seed(request.seed)
+        np.random.seed(request.seed % 2**32)
+        torch.manual_seed(request.seed)
+        core = CoreTrainer(load_model(request.init_model, dtype="float32"), request.trainer)
+    else:
+        hf = request.resume_from.rstrip("/") + "/hf"
+        core = CoreTrainer(load_model(hf, dtype="float32"), request.trainer)
+        core.load_checkpoint(request.resume_from)
+        _load_rng(request.resume_from)
+    if core.step != request.step or core.version != request.step:
+        raise ValueError(
+            f"the checkpoint {request.resume_from} is at step {core.step} (version {core.version}); "
+            f"step {request.step} needs step {request.step} and version {request.step}"
+        )
+    metrics: dict[str, float] = {}
+    trained = bool(request.batch_uri and request.n_executions)
+    if trained:
+        fs, path = fsspec.core.url_to_fs(request.batch_uri)
+        with fs.open(path, "rb") as handle:
+            sequences = table_to_sequences(pq.read_table(handle))
+        coordinator = ElasticCoordinator(core)
+        try:
+            report = coordinator.run_step(
+                request.step,
+                sequences,
+                request.n_executions,
+                batch_uri=request.batch_uri,
+                weights_dir=request.fast_dir,
+            )
+        finally:
+            coordinator.close()
+        metrics = report.metrics()
+    else:  # nothing carries signal: the same weights become the next version
+        core.step += 1
+        core.version += 1
+    fs, root = fsspec.core.url_to_fs(request.checkpoint_url)
+    if fs.exists(root):  # left by an attempt that died before the step was committed
+        fs.rm(root, recursive=True)
+    core.save_checkpoint(request.checkpoint_url)
+    _save_rng(request.checkpoint_url)
+    published = core.publish(request.policy_root, request.fast_dir)
+    return TrainStepReport(
+        step=request.step,
+        version=core.version,
+        trained=trained,
+        metrics=metrics,
+        checkpoint_url=request.checkpoint_url,
+        policy_uri=published.uri,
+        policy_path=published.local_path,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def main() -> int:
+    request = TrainStepRequest.model_validate_json(sys.stdin.read())
+    os.makedirs(request.fast_dir, exist_ok=True)
+    report = train_step(request)
+    print(json.dumps(report.model_dump()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

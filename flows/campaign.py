@@ -1,0 +1,153 @@
+"""The RL campaign: Prefect flows that train an agent end to end.
+
+    from flows.campaign import campaign
+    campaign(CampaignConfig.from_toml("configs/demo.toml"))
+
+``campaign`` starts the serving stack (engines + gateway), evaluates the starting policy on held-out
+problems, runs ``rl_step`` for every step not yet committed (a subflow run per step, named
+``step <n>``), evaluates every ``evaluation.every`` steps and at the end, and returns the records.
+Run again with the same campaign name, it resumes after the last committed step: every task is
+idempotent against the store (tasks/campaign.py says how).
+
+One step, top to bottom (each line a task): serve version n -> choose problems -> roll out (dispatch,
+record, grade, snapshots for timeouts) -> [top up zero-signal groups] -> pack (trees, selection,
+group-relative advantages, staleness) -> free the engines -> train (version n -> n + 1, checkpoint,
+publish) -> commit. The placement (which engines serve, which cells train) comes from
+tasks.services.Placement; this issue's is Colocate.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow, get_run_logger
+
+from flows.config import CampaignConfig
+from tasks.campaign import (
+    StepRecord,
+    choose_problems,
+    commit_step,
+    evaluate,
+    free_engines,
+    held_out_problems,
+    last_committed,
+    pack_step,
+    record_evaluation,
+    roll_out,
+    serve,
+)
+from tasks.services import Colocate, Placement, Services, campaign_services
+from tasks.train import TrainStepRequest, train_step
+
+
+def campaign_store(config: CampaignConfig):
+    """The store of the campaign (its folder is the campaign's name) and of its held-out evaluation."""
+    store = config.store.model_copy(update={"campaign": config.name})
+    return store, store.model_copy(update={"campaign": f"{config.name}-eval"})
+
+
+@flow(name="rl-step", flow_run_name="step {step}")
+def rl_step(config: CampaignConfig, step: int, services: Services) -> StepRecord:
+    started = time.time()
+    placement: Placement = Colocate()
+    store, _ = campaign_store(config)
+    rollout = placement.rollout(services, config.serving)
+    serve(services, rollout.serving, step, config.policy)
+    roll_out(choose_problems(config.problems, step), services, store, config.dispatch, step)
+    batch = pack_step(
+        store,
+        config.selection,
+        config.packing,
+        step,
+        config.max_policy_lag,
+        config.problems.zero_signal == "skip",
+    )
+    for round in range(
+        1, config.problems.top_up_rounds + 1 if config.problems.zero_signal == "top_up" else 1
+    ):
+        if batch.figures.get("executions_zero_signal", 0) == 0:
+            break
+        roll_out(choose_problems(config.problems, step, round), services, store, config.dispatch, step)
+        batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, False)
+    rolled = time.time()
+    training = placement.training(services, config.serving)
+    free_engines(services, training.sleeping, step)
+    previous = f"{services.policy_root}/checkpoints/step={step - 1}" if step > 0 else None
+    report = train_step(
+        TrainStepRequest(
+            step=step,
+            init_model=config.policy,
+            resume_from=previous,
+            batch_uri=batch.uri,
+            n_executions=batch.n_executions,
+            checkpoint_url=f"{services.policy_root}/checkpoints/step={step}",
+            policy_root=services.policy_root,
+            fast_dir=services.fast_dir,
+            trainer=config.trainer,
+            threads=training.trainer_threads,
+            seed=config.seed,
+        )
+    )
+    ended = time.time()
+    metrics = {
+        **batch.figures,
+        **report.metrics,
+        "version": float(report.version),
+        "trained": float(report.trained),
+        "rollout_s": rolled - started,
+        "train_s": ended - rolled,
+        "step_s": ended - started,
+    }
+    record = StepRecord(
+        step=step,
+        version=report.version,
+        checkpoint_url=report.checkpoint_url,
+        policy_uri=report.policy_uri,
+        metrics=metrics,
+        committed_at=ended,
+    )
+    return commit_step(store, step, record)
+
+
+def _evaluate(config: CampaignConfig, services: Services, version: int) -> dict[str, float]:
+    store, eval_store = campaign_store(config)
+    serve(services, Colocate().rollout(services, config.serving).serving, version, config.policy)
+    figures = evaluate(
+        held_out_problems(config.evaluation, config.problems),
+        services,
+        eval_store,
+        config.dispatch,
+        version,
+        config.selection,
+        config.evaluation.temperature,
+    )
+    record_evaluation(store, version, figures)
+    return figures
+
+
+@flow(name="campaign", flow_run_name="{config.name}", log_prints=True)
+def campaign(config: CampaignConfig) -> list[StepRecord]:
+    logger = get_run_logger()
+    store, _ = campaign_store(config)
+    last = last_committed(store)
+    start = last.step + 1 if last else 0
+    if start >= config.steps:
+        logger.info("campaign %s: every one of its %d steps is committed", config.name, config.steps)
+    records = []
+    with campaign_services(config.policy, store, config.serving) as services:
+        logger.info(
+            "campaign %s: steps %d..%d, gateway %s",
+            config.name,
+            start,
+            config.steps - 1,
+            services.gateway_url,
+        )
+        _evaluate(config, services, start)
+        for step in range(start, config.steps):
+            records.append(rl_step(config, step, services))
+            version = step + 1
+            if version == config.steps or (
+                config.evaluation.every and version % config.evaluation.every == 0
+            ):
+                _evaluate(config, services, version)
+    return records

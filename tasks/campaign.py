@@ -1,0 +1,327 @@
+"""Prefect tasks of an RL campaign: choose problems, roll them out, evaluate, build the step's batch,
+serve a policy version, commit a step.
+
+Every task is idempotent against the store, which is the campaign's record (not Prefect's result
+storage, which a lost Prefect database or another machine would not have):
+
+- problems derive from (the campaign's seed, the step, the top-up round): the same every time;
+- execution ids derive from (step, problem, member); ``roll_out`` reads which of them the store
+  already holds and dispatches only the others, so a retried task or step never runs a finished
+  execution again;
+- a step is committed by ``steps/step=<n>.json``, written after its checkpoint and its published
+  policy; its metrics Parquet part is derived from that record, so writing it again is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from dataclasses import replace
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from prefect import task
+from pydantic import BaseModel, Field
+
+from environments.dispatch import DispatchConfig, dispatch, execution_id_for
+from environments.harness import HarnessConfig
+from environments.problems import Problem, generate
+from tasks.services import Services, policy_path, serve_version, sleep_engines
+from trajectory_store.config import PackingConfig, SelectionConfig
+from trajectory_store.db import connect
+from trajectory_store.parts import naming_bad_parts
+from trajectory_store.processor import batch_to_table
+from trajectory_store.schema import METRICS_SCHEMA, SCHEMA_VERSION
+from trajectory_store.step import step_batch, step_figures
+from trajectory_store.storage import Store, StoreConfig
+
+__all__ = ["DispatchConfig", "EvaluationConfig", "HarnessConfig", "ProblemsConfig", "StepRecord"]
+
+
+class ProblemsConfig(BaseModel):
+    """Which problems a step trains on (groups of dispatch.group_size executions each)."""
+
+    suites: list[Literal["repo", "swe", "terminal"]] = Field(
+        default_factory=lambda: ["repo"], description="generated suites, taken round-robin"
+    )
+    difficulty: int = Field(1, ge=1)
+    length: int = Field(1, ge=1)
+    per_step: int = Field(4, ge=1, description="problems (groups) per step")
+    seed: int = Field(
+        5000,
+        description="step n draws its problems from generator seed seed + n; keep it away from the "
+        "held-out evaluation's seed and from the warm start's (0-999 held out, 1000+ trained)",
+    )
+    zero_signal: Literal["skip", "top_up"] = Field(
+        "skip",
+        description="groups whose rewards are all equal carry no signal: skip them, or top the step up "
+        "with more problems (at most top_up_rounds rounds of per_step problems)",
+    )
+    top_up_rounds: int = Field(1, ge=0)
+
+
+class EvaluationConfig(BaseModel):
+    """The held-out evaluation: at the start, every `every` steps and at the end."""
+
+    every: int = Field(0, ge=0, description="evaluate every this many steps (0: at the start and the end)")
+    per_suite: int = Field(8, ge=1, description="held-out problems per suite")
+    seed: int = Field(0, description="generator seed of the held-out problems")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature of the evaluation (0: greedy)")
+
+
+class StepRecord(BaseModel):
+    """What a committed step did; ``steps/step=<n>.json`` in the campaign folder."""
+
+    step: int
+    version: int  # the policy version the step made
+    checkpoint_url: str
+    policy_uri: str
+    metrics: dict[str, float]
+    committed_at: float
+
+
+# -- problems --------------------------------------------------------------------------------
+
+
+def problems_for(
+    suites: list[str], n: int, seed: int, difficulty: int, length: int, skip: int = 0
+) -> list[Problem]:
+    """``n`` problems round-robin over ``suites`` from generator ``seed``, after the first ``skip``."""
+    per_suite = -(-(skip + n) // len(suites))
+    pools = [generate(s, per_suite, seed=seed, difficulty=difficulty, length=length) for s in suites]
+    ordered = [pools[i % len(pools)][i // len(pools)] for i in range(per_suite * len(pools))]
+    return ordered[skip : skip + n]
+
+
+@task(name="choose-problems", task_run_name="choose problems step {step} round {round}")
+def choose_problems(config: ProblemsConfig, step: int, round: int = 0) -> list[dict[str, Any]]:
+    chosen = problems_for(
+        list(config.suites),
+        config.per_step,
+        config.seed + step,
+        config.difficulty,
+        config.length,
+        skip=round * config.per_step,
+    )
+    return [p.to_json() for p in chosen]
+
+
+def held_out_problems(config: EvaluationConfig, problems: ProblemsConfig) -> list[dict[str, Any]]:
+    return [
+        p.to_json()
+        for suite in problems.suites
+        for p in generate(
+            suite, config.per_suite, seed=config.seed, difficulty=problems.difficulty, length=problems.length
+        )
+    ]
+
+
+# -- rollouts --------------------------------------------------------------------------------
+
+
+def finished_executions(store: StoreConfig, step: int) -> set[str]:
+    """Ids of the executions of ``step`` the store holds (they ended and were recorded)."""
+    table = Store(store).read_table("executions")
+    if table.num_rows == 0:
+        return set()
+    steps = table.column("step").to_pylist()
+    return {e for e, s in zip(table.column("execution_id").to_pylist(), steps, strict=True) if s == step}
+
+
+def run_missing(
+    problems: list[dict[str, Any]], services: Services, store: StoreConfig, config: DispatchConfig
+) -> dict[str, Any]:
+    """Dispatches the members of ``problems`` the store does not hold yet; counts both."""
+    chosen = [Problem.from_json(p) for p in problems]
+    done = finished_executions(store, config.step)
+    members = {
+        p.problem_id: [m for m in range(config.group_size) if execution_id_for(config.step, p, m) not in done]
+        for p in chosen
+    }
+    todo = [p for p in chosen if members[p.problem_id]]
+    outcomes = []
+    if todo:
+        outcomes = asyncio.run(
+            dispatch(
+                todo, services.gateway_url, services.admin_token.get_secret_value(), store, config, members
+            )
+        )
+    return {
+        "dispatched": len(outcomes),
+        "already_finished": sum(config.group_size - len(m) for m in members.values()),
+        "by_status": {s: sum(o.status == s for o in outcomes) for s in {o.status for o in outcomes}},
+    }
+
+
+@task(name="roll-out", task_run_name="roll out step {step}", retries=1, retry_delay_seconds=2)
+def roll_out(
+    problems: list[dict[str, Any]], services: Services, store: StoreConfig, config: DispatchConfig, step: int
+) -> dict[str, Any]:
+    """Runs the step's executions against the gateway (graded; timeouts from their snapshots)."""
+    return run_missing(problems, services, store, replace(config, step=step))
+
+
+@task(name="evaluate", task_run_name="evaluate version {version}", retries=1, retry_delay_seconds=2)
+def evaluate(
+    problems: list[dict[str, Any]],
+    services: Services,
+    store: StoreConfig,
+    config: DispatchConfig,
+    version: int,
+    selection: SelectionConfig,
+    temperature: float,
+) -> dict[str, float]:
+    """The held-out evaluation of policy ``version``: one execution per problem at ``temperature``,
+    recorded in the evaluation campaign ``store`` at step ``version`` (never trained on); its figures,
+    per suite too."""
+    harness = replace(config.harness, temperature=temperature)
+    changes = {"step": version, "group_size": 1, "campaign": store.campaign, "harness": harness}
+    run_missing(problems, services, store, replace(config, **changes))
+    con = connect(Store(store), selection)
+    figures = step_figures(con, version)
+    by_suite = con.execute(
+        """SELECT split_part(problem_id, '-', 1), avg(CASE WHEN reward = 1.0 THEN 1.0 ELSE 0.0 END), avg(reward)
+           FROM executions WHERE step = ? GROUP BY ALL ORDER BY 1""",
+        [version],
+    ).fetchall()
+    for suite, pass_rate, reward in by_suite:
+        figures[f"pass_rate_{suite}"] = float(pass_rate)
+        figures[f"mean_reward_{suite}"] = float(reward or 0.0)
+    return figures
+
+
+# -- the step's batch ------------------------------------------------------------------------
+
+
+class BatchSummary(BaseModel):
+    uri: str | None  # None: nothing to train
+    n_executions: int
+    figures: dict[str, float]
+
+
+@task(name="pack", task_run_name="pack step {step}", retries=2, retry_delay_seconds=1)
+def pack_step(
+    store: StoreConfig,
+    selection: SelectionConfig,
+    packing: PackingConfig,
+    step: int,
+    max_policy_lag: int,
+    skip_zero_signal: bool,
+) -> BatchSummary:
+    """Trees, selection, group-relative advantages and packing of the step's executions, in DuckDB."""
+    target = Store(store)
+    with naming_bad_parts(target):
+        con = connect(target, selection)
+        figures = step_figures(con, step)
+        batch, counts = step_batch(
+            con,
+            packing,
+            step,
+            trained_version=step,
+            max_policy_lag=max_policy_lag,
+            skip_zero_signal=skip_zero_signal,
+        )
+    figures.update(counts)
+    if not batch.sequences:
+        return BatchSummary(uri=None, n_executions=0, figures=figures)
+    buffer = io.BytesIO()
+    pq.write_table(batch_to_table(batch, step), buffer, compression=store.compression)
+    path = target.path(f"batches/step={step}/packed.parquet")
+    target.write_bytes(path, buffer.getvalue())
+    return BatchSummary(uri=target.url(path), n_executions=len(batch.advantages), figures=figures)
+
+
+def informative_groups(figures: dict[str, float]) -> int:
+    return int(figures.get("executions_trained", 0))
+
+
+# -- policy versions -------------------------------------------------------------------------
+
+
+@task(name="serve-version", task_run_name="serve version {version}", retries=2, retry_delay_seconds=2)
+def serve(services: Services, engines: list[str], version: int, init_model: str) -> dict[str, str]:
+    """The given engines wake (or hot-swap) to ``version``; a no-op for an engine already serving it."""
+    return serve_version(services, engines, version, policy_path(services, version, init_model))
+
+
+@task(name="free-engines", task_run_name="free the engines for step {step}", retries=2)
+def free_engines(services: Services, engines: list[str], step: int) -> None:
+    sleep_engines(services, engines)
+
+
+# -- commit ----------------------------------------------------------------------------------
+
+
+def step_record_path(store: Store, step: int) -> str:
+    return store.path(f"steps/step={step}.json")
+
+
+def committed_steps(store: StoreConfig) -> list[StepRecord]:
+    target = Store(store)
+    base = target.path("steps")
+    if not target.fs.exists(base):
+        return []
+    records = []
+    for path in sorted(target.fs.find(base)):
+        if path.endswith(".json"):
+            records.append(StepRecord.model_validate_json(target.read_bytes(path)))
+    return sorted(records, key=lambda r: r.step)
+
+
+@task(name="last-committed-step", task_run_name="find the last committed step")
+def last_committed(store: StoreConfig) -> StepRecord | None:
+    records = committed_steps(store)
+    return records[-1] if records else None
+
+
+@task(name="commit", task_run_name="commit step {step}", retries=2, retry_delay_seconds=1)
+def commit_step(store: StoreConfig, step: int, record: StepRecord) -> StepRecord:
+    """Marks the step committed (its checkpoint and policy are written), then writes its metrics."""
+    target = Store(store)
+    path = step_record_path(target, step)
+    if target.exists(path):  # a retried commit: the first record stands
+        record = StepRecord.model_validate_json(target.read_bytes(path))
+    else:
+        target.write_bytes(path, record.model_dump_json().encode())
+    write_metrics(store, step, record.metrics, record.committed_at)
+    return record
+
+
+def write_metrics(
+    store: StoreConfig, step: int, metrics: dict[str, float], t: float, detail: str = "step"
+) -> None:
+    """One metrics row per figure; deterministic content, so a rewrite is a no-op."""
+    names = sorted(metrics)
+    table = pa.table(
+        {
+            "step": pa.array([step] * len(names), pa.int32()),
+            "name": names,
+            "value": pa.array([float(metrics[n]) for n in names], pa.float64()),
+            "cell_id": pa.array([None] * len(names), pa.string()),
+            "detail": [detail] * len(names),
+            "t": pa.array([t] * len(names), pa.float64()),
+            "schema_version": pa.array([SCHEMA_VERSION] * len(names), pa.int16()),
+        },
+        schema=METRICS_SCHEMA,
+    )
+    target = Store(store)
+    rel = target.write_part("metrics", step, table, f"{detail}-{step}")
+    target.commit(step, {"metrics": [rel]}, {"metrics": table.num_rows})
+
+
+@task(name="record-evaluation", task_run_name="record the evaluation of version {version}")
+def record_evaluation(store: StoreConfig, version: int, figures: dict[str, float]) -> None:
+    """The evaluation's figures as metrics of the training campaign (step = the version evaluated)."""
+    path = Store(store).path(f"evaluations/version={version}.json")
+    target = Store(store)
+    if target.exists(path):
+        stored = json.loads(target.read_bytes(path))
+    else:
+        stored = {"figures": figures, "t": time.time()}
+        target.write_bytes(path, json.dumps(stored, sort_keys=True).encode())
+    write_metrics(
+        store, version, {f"eval_{k}": v for k, v in stored["figures"].items()}, stored["t"], "evaluation"
+    )

@@ -1,0 +1,140 @@
+"""The services a campaign talks to, and the placement that says which cells serve and which train.
+
+    with campaign_services("./policy", store, ServingConfig()) as services:   # engines + gateway here
+        phase = Colocate().rollout(services)          # which engines serve this step's rollouts
+        serve_version(services, phase.serving, version=3)
+
+``Services`` holds addresses and admin tokens (SecretStr: Prefect records flow parameters, and a
+token shown in the UI would be a leak). ``Placement`` is the seam the elastic scheduler takes over: a
+step asks it which engines serve while executions run and which cells train afterwards; ``Colocate``
+is this issue's answer (every engine serves, then every engine sleeps while the trainer uses the
+whole machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import fsspec
+import httpx
+from pydantic import BaseModel, Field, SecretStr
+
+from engines.train.core import default_fast_dir
+from tasks.stack import local_stack
+from trajectory_store.storage import Store, StoreConfig
+
+
+class ServingConfig(BaseModel):
+    """The processes of a campaign on this machine."""
+
+    engines: int = Field(1, ge=1, description="rollout engine processes")
+    engine_threads: int = Field(1, ge=1, description="torch threads per engine")
+    max_batch_size: int = Field(8, ge=1, description="sequences an engine decodes at once")
+    trainer_threads: int = Field(2, ge=1, description="torch threads of the trainer process")
+
+
+class Services(BaseModel):
+    gateway_url: str
+    admin_token: SecretStr
+    engine_urls: list[str]
+    engine_admin_token: SecretStr
+    policy_root: str = Field(description="URL of the campaign folder: versions go under policy/v<n>/")
+    fast_dir: str = Field(description="in-host folder of published weights (what engines load)")
+
+
+@dataclass(frozen=True)
+class Phase:
+    serving: list[str]  # engine URLs awake, taking executions' calls
+    sleeping: list[str]  # engine URLs asleep: their cells train
+    trainer_threads: int
+
+
+class Placement(Protocol):
+    def rollout(self, services: Services, serving: ServingConfig) -> Phase: ...
+
+    def training(self, services: Services, serving: ServingConfig) -> Phase: ...
+
+
+class Colocate:
+    """The whole pool rolls out, then the whole pool trains (engines asleep, their memory freed)."""
+
+    def rollout(self, services: Services, serving: ServingConfig) -> Phase:
+        return Phase(serving=list(services.engine_urls), sleeping=[], trainer_threads=0)
+
+    def training(self, services: Services, serving: ServingConfig) -> Phase:
+        return Phase(serving=[], sleeping=list(services.engine_urls), trainer_threads=serving.trainer_threads)
+
+
+@contextlib.contextmanager
+def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) -> Iterator[Services]:
+    """Starts the engines and the gateway on loopback for the duration of the block."""
+    fast_dir = os.path.join(default_fast_dir(), f"campaign-{store.campaign}-{os.getpid()}")
+    os.makedirs(fast_dir, exist_ok=True)
+    target = Store(store)
+    try:
+        with local_stack(
+            model,
+            store,
+            engines=serving.engines,
+            threads=serving.engine_threads,
+            max_batch_size=serving.max_batch_size,
+        ) as stack:
+            yield Services(
+                gateway_url=stack.gateway_url,
+                admin_token=SecretStr(stack.admin_token),
+                engine_urls=stack.engine_urls,
+                engine_admin_token=SecretStr(stack.engine_admin_token),
+                policy_root=target.url(target.campaign_dir),
+                fast_dir=fast_dir,
+            )
+    finally:
+        shutil.rmtree(fast_dir, ignore_errors=True)
+
+
+def policy_path(services: Services, version: int, init_model: str) -> str:
+    """A local file (or, for version 0, the starting HF folder) holding policy ``version``; a version
+    that is only in object storage (a resumed campaign) is copied to the fast folder first."""
+    if version == 0:
+        return init_model
+    local = os.path.join(services.fast_dir, f"policy-v{version}.safetensors")
+    if not os.path.exists(local):
+        fs, root = fsspec.core.url_to_fs(services.policy_root)
+        fs.get_file(f"{root.rstrip('/')}/policy/v{version}/model.safetensors", local + ".part")
+        os.replace(local + ".part", local)
+    return local
+
+
+def _engine(url: str, services: Services, method: str, path: str, body: dict | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {services.engine_admin_token.get_secret_value()}"}
+    response = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=600)
+    if response.status_code != 200:
+        raise RuntimeError(f"engine {url} {path} answered {response.status_code}: {response.text[:300]}")
+    return response.json()
+
+
+def serve_version(services: Services, engines: list[str], version: int, path: str) -> dict[str, str]:
+    """Makes every engine in ``engines`` awake and serving ``version`` (idempotent); says what it did."""
+    done = {}
+    for url in engines:
+        stats = _engine(url, services, "GET", "/admin/stats")
+        if stats.get("asleep"):
+            _engine(url, services, "POST", "/admin/wake", {"path": path, "version": version})
+            done[url] = "woke"
+        elif stats.get("policy_version") != version:
+            _engine(
+                url, services, "POST", "/admin/weights", {"path": path, "version": version, "drop_kv": True}
+            )
+            done[url] = "swapped"
+        else:
+            done[url] = "serving"
+    return done
+
+
+def sleep_engines(services: Services, engines: list[str]) -> None:
+    for url in engines:
+        _engine(url, services, "POST", "/admin/sleep")

@@ -1,0 +1,109 @@
+"""The RL campaign on a real Prefect (test harness), a real engine process, the gateway and the harness,
+with a tiny random policy: steps make policy versions the engines then serve, a rerun resumes after the
+last committed step without dispatching a finished execution again, and metrics land as Parquet."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from flows.config import CampaignConfig
+from tasks.campaign import committed_steps, problems_for
+from trajectory_store.config import SelectionConfig
+from trajectory_store.db import connect
+from trajectory_store.storage import Store
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    from engines.model import ModelConfig, init_model
+
+    out = tmp_path_factory.mktemp("policy") / "tiny"
+    init_model(ModelConfig(preset="tiny", seed=0), str(out))
+    return str(out)
+
+
+def small_campaign(tmp_path, policy: str, steps: int) -> CampaignConfig:
+    return CampaignConfig.model_validate(
+        {
+            "name": "t",
+            "policy": policy,
+            "steps": steps,
+            "store": {"data_root": str(tmp_path / "data")},
+            "packing": {"token_budget": 4096},
+            # a random policy earns 0 everywhere: keep zero-signal groups so the trainer has a batch
+            "problems": {"suites": ["terminal"], "per_step": 1, "zero_signal": "top_up", "top_up_rounds": 0},
+            "evaluation": {"per_suite": 1},
+            "dispatch": {
+                "group_size": 2,
+                "concurrency": 2,
+                "timeout_s": 60,
+                "durations": {"short_turns": 1, "long_fraction": 0.0},
+                "harness": {"max_tokens": 24, "max_retries": 0, "max_subagents": 0},
+            },
+            "trainer": {"lr": 1e-4},
+            "serving": {"trainer_threads": 1},
+        }
+    )
+
+
+def executions_by_step(store) -> dict[int, list[str]]:
+    table = Store(store).read_table("executions").to_pylist()
+    found: dict[int, list[str]] = {}
+    for row in table:
+        found.setdefault(row["step"], []).append(row["execution_id"])
+    return {k: sorted(v) for k, v in found.items()}
+
+
+@pytest.mark.slow
+def test_campaign_trains_versions_and_resumes_after_the_last_committed_step(
+    prefect_harness, tmp_path, tiny_policy
+):
+    from flows.campaign import campaign, campaign_store
+
+    config = small_campaign(tmp_path, tiny_policy, steps=2)
+    records = campaign(config)
+    assert [r.step for r in records] == [0, 1]
+    assert [r.version for r in records] == [1, 2]
+    assert all(r.metrics["trained"] == 1.0 and r.metrics["executions_trained"] == 2 for r in records)
+    assert all(r.metrics["tokens_trained"] > 0 for r in records)
+    store, eval_store = campaign_store(config)
+    first = executions_by_step(store)
+    assert {s: len(ids) for s, ids in first.items()} == {0: 2, 1: 2}
+
+    # the engines served the version each step trains: every call of step n was sampled by version n
+    con = connect(Store(store), SelectionConfig())
+    versions = dict(con.sql("SELECT step, max(policy_version) FROM calls GROUP BY ALL").fetchall())
+    assert versions == {0: 0, 1: 1}
+    assert con.sql("SELECT min(policy_version) FROM calls WHERE step = 1").fetchall()[0][0] == 1
+
+    # held-out evaluations, at the start and the end, in their own campaign, never trained on
+    assert sorted(executions_by_step(eval_store)) == [0, 2]
+    metrics = dict(
+        con.sql(
+            "SELECT name || '@' || step, value FROM metrics WHERE name IN ('version', 'eval_executions')"
+        ).fetchall()
+    )
+    assert metrics == {"version@0": 1.0, "version@1": 2.0, "eval_executions@0": 1.0, "eval_executions@2": 1.0}
+
+    # run again with more steps: it resumes at step 2, and steps 0-1 are not dispatched again
+    config.steps = 3
+    more = campaign(config)
+    assert [r.step for r in more] == [2]
+    after = executions_by_step(store)
+    assert {s: after[s] for s in (0, 1)} == first and len(after[2]) == 2
+    assert [r.step for r in committed_steps(store)] == [0, 1, 2]
+    con = connect(Store(store), SelectionConfig())
+    assert con.sql("SELECT min(policy_version) FROM calls WHERE step = 2").fetchall()[0][0] == 2
+    with pytest.raises(duckdb.Error):  # the views are read from the store, not from Prefect
+        con.sql("SELECT * FROM no_such_view").fetchall()
+
+
+def test_step_problems_are_deterministic_and_apart_from_the_held_out_ones():
+    a = [p.problem_id for p in problems_for(["repo", "terminal"], 4, 5003, 1, 1)]
+    assert a == [p.problem_id for p in problems_for(["repo", "terminal"], 4, 5003, 1, 1)]
+    assert [x.split("-")[0] for x in a] == ["repo", "terminal", "repo", "terminal"]
+    more = [p.problem_id for p in problems_for(["repo", "terminal"], 4, 5003, 1, 1, skip=4)]
+    assert not set(a) & set(more)
+    held_out = {p.problem_id for p in problems_for(["repo", "terminal"], 8, 0, 1, 1)}
+    assert not held_out & set(a)
