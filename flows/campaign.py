@@ -27,15 +27,19 @@ from tasks.campaign import (
     StepRecord,
     choose_problems,
     commit_step,
+    committed_evaluations,
+    committed_steps,
     evaluate,
     free_engines,
     held_out_problems,
     last_committed,
     pack_step,
+    prune_checkpoints,
     record_evaluation,
     roll_out,
     serve,
 )
+from tasks.report import campaign_summary, start_progress, step_table, update_progress
 from tasks.services import Colocate, Placement, Services, campaign_services
 from tasks.train import TrainStepRequest, train_step
 
@@ -131,23 +135,23 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
     store, _ = campaign_store(config)
     last = last_committed(store)
     start = last.step + 1 if last else 0
+    progress = start_progress(config.name, min(start, config.steps), config.steps)
     if start >= config.steps:
         logger.info("campaign %s: every one of its %d steps is committed", config.name, config.steps)
+        return []
     records = []
     with campaign_services(config.policy, store, config.serving) as services:
-        logger.info(
-            "campaign %s: steps %d..%d, gateway %s",
-            config.name,
-            start,
-            config.steps - 1,
-            services.gateway_url,
-        )
+        logger.info("campaign %s: steps %d to %d", config.name, start, config.steps - 1)
         _evaluate(config, services, start)
         for step in range(start, config.steps):
-            records.append(rl_step(config, step, services))
+            record = rl_step(config, step, services)
+            records.append(record)
+            prune_checkpoints(store, step, config.keep_checkpoints)
+            step_table(config.name, record)
             version = step + 1
-            if version == config.steps or (
-                config.evaluation.every and version % config.evaluation.every == 0
-            ):
+            every = config.evaluation.every
+            if version == config.steps or (every and version % every == 0):
                 _evaluate(config, services, version)
+            update_progress(progress, version, config.steps)
+            campaign_summary(config.name, committed_steps(store), committed_evaluations(store))
     return records

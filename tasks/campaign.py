@@ -315,8 +315,8 @@ def write_metrics(
 @task(name="record-evaluation", task_run_name="record the evaluation of version {version}")
 def record_evaluation(store: StoreConfig, version: int, figures: dict[str, float]) -> None:
     """The evaluation's figures as metrics of the training campaign (step = the version evaluated)."""
-    path = Store(store).path(f"evaluations/version={version}.json")
     target = Store(store)
+    path = target.path(f"evaluations/version={version}.json")
     if target.exists(path):
         stored = json.loads(target.read_bytes(path))
     else:
@@ -325,3 +325,31 @@ def record_evaluation(store: StoreConfig, version: int, figures: dict[str, float
     write_metrics(
         store, version, {f"eval_{k}": v for k, v in stored["figures"].items()}, stored["t"], "evaluation"
     )
+
+
+def committed_evaluations(store: StoreConfig) -> dict[int, dict[str, float]]:
+    """Version -> figures of every recorded held-out evaluation."""
+    target = Store(store)
+    base = target.path("evaluations")
+    if not target.fs.exists(base):
+        return {}
+    found = {}
+    for path in target.fs.find(base):
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith("version=") and name.endswith(".json"):
+            found[int(name[len("version=") : -len(".json")])] = json.loads(target.read_bytes(path))["figures"]
+    return dict(sorted(found.items()))
+
+
+@task(name="prune-checkpoints", task_run_name="prune checkpoints before step {step}")
+def prune_checkpoints(store: StoreConfig, step: int, keep: int) -> list[int]:
+    """Removes the checkpoints of committed steps older than the newest ``keep`` (published policies stay)."""
+    target = Store(store)
+    committed = [r.step for r in committed_steps(store) if r.step <= step]
+    removed = []
+    for old in committed[:-keep]:
+        path = target.path(f"checkpoints/step={old}")
+        if target.fs.exists(path):
+            target.fs.rm(path, recursive=True)
+            removed.append(old)
+    return removed

@@ -95,6 +95,17 @@ def test_campaign_trains_versions_and_resumes_after_the_last_committed_step(
     assert [r.step for r in committed_steps(store)] == [0, 1, 2]
     con = connect(Store(store), SelectionConfig())
     assert con.sql("SELECT min(policy_version) FROM calls WHERE step = 2").fetchall()[0][0] == 2
+    campaign_dir = tmp_path / "data" / "campaigns" / "t"
+    assert sorted(p.name for p in (campaign_dir / "checkpoints").iterdir()) == ["step=1", "step=2"]
+    assert sorted(p.name for p in (campaign_dir / "policy").iterdir()) == ["v1", "v2", "v3"]
+
+    # what the Prefect UI shows: a table per step, the progress and a summary with the curves as a PNG
+    from prefect.artifacts import Artifact
+
+    assert Artifact.get("t-step-2").data is not None
+    assert Artifact.get("t-progress").data == 100.0
+    summary = Artifact.get("t-summary").data
+    assert "data:image/png;base64,iVBOR" in summary and "gyre sql --campaign t" in summary
     with pytest.raises(duckdb.Error):  # the views are read from the store, not from Prefect
         con.sql("SELECT * FROM no_such_view").fetchall()
 
@@ -107,3 +118,38 @@ def test_step_problems_are_deterministic_and_apart_from_the_held_out_ones():
     assert not set(a) & set(more)
     held_out = {p.problem_id for p in problems_for(["repo", "terminal"], 8, 0, 1, 1)}
     assert not held_out & set(a)
+
+
+def test_step_batch_leaves_out_zero_signal_groups_and_stale_executions(store_config):
+    from trajectory_store.config import PackingConfig
+    from trajectory_store.recorder import Recorder
+    from trajectory_store.step import ZERO_SIGNAL, step_batch, step_figures
+
+    recorder = Recorder(Store(store_config), step=3)
+    rewards = {"a0": ("a", 1.0), "a1": ("a", 0.0), "b0": ("b", 0.5), "b1": ("b", 0.5), "c0": ("c", 1.0)}
+    rewards["c1"] = ("c", 0.0)
+    for i, (execution_id, (group, reward)) in enumerate(sorted(rewards.items())):
+        version = 1 if execution_id == "c1" else 3  # c1 was sampled two versions ago
+        recorder.record_call(execution_id, "main", "main", [1, 2, 3, 4 + i], [7, 8, 9], [-0.5] * 3, version)
+        recorder.record_execution(execution_id, "completed", reward=reward, group_id=group, problem_id=group)
+    recorder.flush()
+    con = connect(Store(store_config), SelectionConfig())
+    figures = step_figures(con, 3)
+    assert figures["executions"] == 6 and figures["groups"] == 3
+    assert figures["pass_rate"] == pytest.approx(2 / 6) and figures["mean_reward"] == pytest.approx(0.5)
+
+    batch, counts = step_batch(
+        con, PackingConfig(), 3, trained_version=3, max_policy_lag=1, skip_zero_signal=True
+    )
+    assert batch.skipped["b0"] == batch.skipped["b1"] == ZERO_SIGNAL
+    assert batch.skipped["c1"].startswith("stale: a call of policy version 1, trained at version 3")
+    assert sorted(batch.advantages) == ["a0", "a1", "c0"]
+    assert counts["executions_zero_signal"] == 2 and counts["executions_stale"] == 1
+    assert counts["executions_trained"] == 3
+    assert {v for s in batch.sequences for v in s.policy_versions[s.loss_mask]} == {3}  # the bound holds
+
+    kept, counts = step_batch(
+        con, PackingConfig(), 3, trained_version=3, max_policy_lag=2, skip_zero_signal=False
+    )
+    assert counts["executions_trained"] == 6 and counts["executions_stale"] == 0
+    assert kept.advantages["b0"] == kept.advantages["b1"] == 0.0
