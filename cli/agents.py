@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 from dataclasses import asdict
 
@@ -23,20 +22,31 @@ def add_rollout_parser(commands) -> None:
     rollout = commands.add_parser(
         "rollout", help="run agent executions against a gateway and print status and reward of each"
     )
-    rollout.add_argument("--suite", choices=SUITES, required=True)
+    rollout.add_argument(
+        "--suite", choices=SUITES, required=True, help="generated problems (mixed: all three), or folder"
+    )
     rollout.add_argument("--n", type=int, default=4, help="problems (each runs --group-size times)")
     rollout.add_argument("--timeout", type=float, default=120.0, help="deadline of one execution, seconds")
     rollout.add_argument("--problems", default=None, help="folder of problem folders (--suite folder)")
-    rollout.add_argument("--seed", type=int, default=0)
-    rollout.add_argument("--difficulty", type=int, default=1)
-    rollout.add_argument("--length", type=int, default=1)
-    rollout.add_argument("--group-size", type=int, default=1)
-    rollout.add_argument("--concurrency", type=int, default=4)
+    rollout.add_argument("--seed", type=int, default=0, help="seed of the generated problems")
+    rollout.add_argument("--difficulty", type=int, default=1, help="difficulty of the generated problems")
+    rollout.add_argument(
+        "--length",
+        type=int,
+        default=1,
+        help="how much text each item of a generated problem carries (lines, expression size)",
+    )
+    rollout.add_argument("--group-size", type=int, default=1, help="executions per problem (one GRPO group)")
+    rollout.add_argument("--concurrency", type=int, default=4, help="executions running at once")
     rollout.add_argument("--turns", type=int, default=4, help="turn budget of a short execution")
     rollout.add_argument("--long-fraction", type=float, default=0.2, help="executions with 10-50x the turns")
-    rollout.add_argument("--step", type=int, default=0)
-    rollout.add_argument("--gateway", default=None, help="gateway URL (default $GYRE_GATEWAY_URL)")
-    rollout.add_argument("--admin-token", default=None, help="default: $GYRE_GATEWAY_ADMIN_TOKEN")
+    rollout.add_argument("--step", type=int, default=0, help="the step the executions are recorded at")
+    rollout.add_argument(
+        "--gateway", default=None, help="a running gateway's URL (default: $GYRE_GATEWAY_URL)"
+    )
+    rollout.add_argument(
+        "--admin-token", default=None, help="the gateway's admin token (default: $GYRE_GATEWAY_ADMIN_TOKEN)"
+    )
     rollout.add_argument("--model", default=None, help="no gateway: start an engine + gateway on this model")
     rollout.add_argument(
         "--harness-command",
@@ -44,10 +54,8 @@ def add_rollout_parser(commands) -> None:
         help="an external harness, e.g. 'python my_agent.py --base-url {base_url} --api-key {api_key} "
         "--workspace {workspace}' ({instruction_file} is the instruction's path)",
     )
-    rollout.add_argument("--data-root", default=None, help="store for snapshots and logs ($GYRE_DATA_ROOT)")
-    rollout.add_argument("--campaign", default=None)
-    rollout.add_argument("--s3-endpoint-url", default=None)
-    rollout.add_argument("--format", choices=["table", "json"], default="table")
+    settings.add_store_options(rollout, skip={"vocab_size"})
+    rollout.add_argument("--format", choices=["table", "json"], default="table", help="output format")
 
 
 def add_sft_parser(model_commands) -> None:
@@ -57,11 +65,11 @@ def add_sft_parser(model_commands) -> None:
     sft.add_argument("--model", required=True, help="HF folder of the policy to start from")
     sft.add_argument("--out", required=True, help="folder for the fine-tuned policy")
     sft.add_argument("--suites", default="terminal,repo,swe", help="comma-separated suites")
-    sft.add_argument("--train-problems", type=int, default=240)
+    sft.add_argument("--train-problems", type=int, default=240, help="generated demonstrations per suite")
     sft.add_argument("--eval-problems", type=int, default=8, help="held-out problems per suite")
-    sft.add_argument("--steps", type=int, default=300)
-    sft.add_argument("--batch-size", type=int, default=8)
-    sft.add_argument("--lr", type=float, default=2e-3)
+    sft.add_argument("--steps", type=int, default=300, help="optimizer steps on the demonstrations")
+    sft.add_argument("--batch-size", type=int, default=8, help="demonstrations per step")
+    sft.add_argument("--lr", type=float, default=2e-3, help="learning rate")
     sft.add_argument(
         "--copy-steps",
         type=int,
@@ -69,7 +77,7 @@ def add_sft_parser(model_commands) -> None:
         help="steps of copy drills first: a random-init policy cannot copy names from the instruction "
         "(0 for a pretrained policy)",
     )
-    sft.add_argument("--difficulty", type=int, default=1)
+    sft.add_argument("--difficulty", type=int, default=1, help="difficulty of the generated problems")
     sft.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
     sft.add_argument("--report", default=None, help="also write the report as JSON here")
 
@@ -81,7 +89,7 @@ def add_eval_parser(model_commands) -> None:
     evaluate.add_argument("--model", required=True, help="HF folder of the policy")
     evaluate.add_argument("--suites", default="terminal,repo,swe", help="comma-separated suites")
     evaluate.add_argument("--problems", type=int, default=8, help="held-out problems per suite")
-    evaluate.add_argument("--difficulty", type=int, default=1)
+    evaluate.add_argument("--difficulty", type=int, default=1, help="difficulty of the generated problems")
     evaluate.add_argument("--seed", type=int, default=0, help="problem seed (SFT trains on seeds >= 1000)")
 
 
@@ -105,7 +113,7 @@ def add_bench_parser(bench_commands) -> None:
     )
     bench.add_argument("--quick", action="store_true", help="a small run (a few minutes)")
     bench.add_argument("--model", default=None, help="policy folder (default: a fresh tiny model)")
-    bench.add_argument("--out", default="bench/results/rollout.json")
+    bench.add_argument("--out", default="bench/results/rollout.json", help="where the figures go (JSON)")
 
 
 def run_rollout_command(args: argparse.Namespace) -> int:
@@ -118,13 +126,8 @@ def run_rollout_command(args: argparse.Namespace) -> int:
         run_rollout,
         summarize_outcomes,
     )
-    from tasks.trajectory import StoreConfig
 
-    store = StoreConfig(
-        data_root=args.data_root or settings.default_data_root(),
-        campaign=args.campaign or settings.default_campaign(),
-        s3_endpoint_url=args.s3_endpoint_url,
-    )
+    store = settings.store_config(args)
     problems = choose_problems(
         args.suite,
         args.n,
@@ -141,10 +144,10 @@ def run_rollout_command(args: argparse.Namespace) -> int:
         durations=DurationProfile(short_turns=args.turns, long_fraction=args.long_fraction),
         harness_command=shlex.split(args.harness_command) if args.harness_command else None,
     )
-    gateway = args.gateway or os.environ.get("GYRE_GATEWAY_URL")
+    gateway = args.gateway or settings.gateway_url()
     with contextlib.ExitStack() as stack:
         if gateway:
-            token = args.admin_token or os.environ.get("GYRE_GATEWAY_ADMIN_TOKEN")
+            token = args.admin_token or settings.gateway_admin_token()
             if not token:
                 raise ValueError(
                     "--gateway needs the gateway's admin token (--admin-token or $GYRE_GATEWAY_ADMIN_TOKEN)"

@@ -1,21 +1,29 @@
-"""The `gyre` command line.
+"""The `gyre` command line (installed as .venv/bin/gyre; `gyre COMMAND --help` lists every option).
 
-    gyre run [--config configs/demo.toml]              the demo flow (Prefect, ephemeral mode)
+    gyre run [--config configs/demo.toml]              the store demo flow (Prefect, ephemeral mode)
     gyre traj import FILE.jsonl [--step N]             JSONL interchange -> delta-encoded Parquet
     gyre traj export OUT.jsonl                         the store -> JSONL (full prompts, exact)
     gyre traj stats [--format table|json]              per-execution figures
     gyre traj check [--quarantine]                     read every part; move unreadable ones aside
     gyre traj sample OUT.jsonl [--preset sample]       write a synthetic paper-shaped trace
     gyre sql [--format table|csv|json] "SQL"           query the views (read-only: queries only)
-    gyre bench store [--quick]                         the storage benchmark
-    gyre bench train [--quick]                         the training benchmark
-    gyre bench engine [--quick]                        rollout engine vs HF generate, KV migration, gateway overhead
+    gyre rollout --suite terminal --n 4 (--gateway URL | --model DIR)
+                                                       agent executions: dispatched, graded, recorded
+    gyre execution register [--problem-id P]           register one execution (an external harness):
+                                                       prints its base_url and api_key
+    gyre execution finish ID --status S --reward R     finish it: the gateway records it with its calls
+    gyre model init --preset tiny --out URL [--seed N]  a random-init policy model + tokenizer (HF format)
+    gyre model sft --model DIR --out DIR               supervised warm start, held-out pass rate before/after
+    gyre model eval --model DIR                        held-out pass rate and mean reward of a policy
     gyre gateway --model DIR --engine URL [...]        the OpenAI-compatible gateway in front of rollout engines
     gyre engine --model DIR [--port 8100]              one rollout engine's token-id server
-    gyre model init --preset tiny --out URL [--seed N]  a random-init policy model + tokenizer (HF format)
+    gyre bench store|train|engine|rollout [--quick]    the benchmarks (figures printed and in bench/results/)
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
-works, with the standard AWS variables or --s3-endpoint-url) and --campaign NAME.
+works, with the standard AWS variables or --s3-endpoint-url) and --campaign NAME (default
+$GYRE_CAMPAIGN or default). `gyre gateway` and `gyre engine` take exactly the options of
+`python -m engines.gateway` and `python -m engines.rollout.server` (generated from their config
+classes). cli/settings.py names the environment variables read.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from typing import TYPE_CHECKING
 
 from cli import agents, settings
 from cli.format import render
+from engines.gateway import settings as gateway_settings
+from engines.rollout import settings as engine_settings
 
 if TYPE_CHECKING:
     from flows.demo import DemoSummary
@@ -37,17 +47,6 @@ VIEWS_HELP = (
     "views: executions, calls, call_prompts, tree_nodes, trajectories, selected_trajectories, training_nodes, "
     "training_tokens, execution_stats, metrics"
 )
-
-
-def _store_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--data-root", default=None, help="fsspec URL (default: $GYRE_DATA_ROOT or ./gyre-data)"
-    )
-    parser.add_argument(
-        "--campaign", default=None, help="campaign name (default: $GYRE_CAMPAIGN or 'default')"
-    )
-    parser.add_argument("--s3-endpoint-url", default=None, help="S3 API endpoint (default: AWS variables)")
-    parser.add_argument("--vocab-size", type=int, default=None, help="refuse token ids at or above this")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,29 +64,34 @@ def build_parser() -> argparse.ArgumentParser:
     traj = commands.add_parser("traj", help="import, export and summarize trajectories")
     traj_commands = traj.add_subparsers(dest="traj_command", required=True, metavar="SUBCOMMAND")
     imp = traj_commands.add_parser("import", help="import a JSONL trace (full prompt ids per call)")
-    imp.add_argument("file")
-    _store_options(imp)
+    imp.add_argument("file", help="the JSONL trace (one record per line: executions and calls)")
+    settings.add_store_options(imp)
     imp.add_argument(
         "--step", type=int, default=None, help="store as this step (default: each record's step, or 0)"
     )
     exp = traj_commands.add_parser("export", help="export the campaign as JSONL with full prompts")
-    _store_options(exp)
-    exp.add_argument("out")
+    settings.add_store_options(exp)
+    exp.add_argument("out", help="the JSONL file to write")
     stats = traj_commands.add_parser("stats", help="per-execution token, tree and storage figures")
-    _store_options(stats)
-    stats.add_argument("--format", choices=["table", "json"], default="table")
+    settings.add_store_options(stats)
+    stats.add_argument("--format", choices=["table", "json"], default="table", help="output format")
     check = traj_commands.add_parser(
         "check", help="read every part whole; list the unreadable ones (--quarantine moves them aside)"
     )
-    _store_options(check)
+    settings.add_store_options(check)
     check.add_argument(
         "--quarantine",
         action="store_true",
         help="move unreadable parts under <campaign>/quarantine/parts/ (never deleted) so the rest is queryable",
     )
     sample = traj_commands.add_parser("sample", help="write a synthetic, paper-shaped trace as JSONL")
-    sample.add_argument("out")
-    sample.add_argument("--preset", choices=["sample", "quick", "full"], default="sample")
+    sample.add_argument("out", help="the JSONL file to write")
+    sample.add_argument(
+        "--preset",
+        choices=["sample", "quick", "full"],
+        default="sample",
+        help="sample: the bundled 4-execution trace; quick and full: the storage benchmark's workloads",
+    )
 
     sql = commands.add_parser(
         "sql",
@@ -95,60 +99,54 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=VIEWS_HELP
         + ". Read-only: queries only (no COPY, ATTACH, INSTALL, CREATE, SET; no other files).",
     )
-    _store_options(sql)
-    sql.add_argument("--format", choices=["table", "csv", "json"], default="table")
-    sql.add_argument("query")
+    settings.add_store_options(sql)
+    sql.add_argument("--format", choices=["table", "csv", "json"], default="table", help="output format")
+    sql.add_argument("query", help="one SQL query over the views below")
 
     bench = commands.add_parser("bench", help="benchmarks (print figures, write bench/results/*.json)")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     store_bench = bench_commands.add_parser("store", help="storage: bytes per unique token, import, trees")
     store_bench.add_argument("--quick", action="store_true", help="a small workload (under a minute)")
-    store_bench.add_argument("--out", default="bench/results/store.json")
+    store_bench.add_argument("--out", default="bench/results/store.json", help="where the figures go (JSON)")
     train_bench = bench_commands.add_parser(
         "train", help="training: tree-packed vs per-path, elastic satellites"
     )
     train_bench.add_argument("--quick", action="store_true", help="the tiny model (under two minutes)")
-    train_bench.add_argument("--out", default="bench/results/train.json")
+    train_bench.add_argument("--out", default="bench/results/train.json", help="where the figures go (JSON)")
     engine_bench = bench_commands.add_parser(
         "engine", help="rollout: engine vs HF generate, KV migration vs recompute, gateway overhead"
     )
     engine_bench.add_argument(
         "--quick", action="store_true", help="the tiny model, 2K/8K (about two minutes)"
     )
-    engine_bench.add_argument("--out", default="bench/results/engine.json")
+    engine_bench.add_argument(
+        "--out", default="bench/results/engine.json", help="where the figures go (JSON)"
+    )
 
-    gateway = commands.add_parser("gateway", help="run the OpenAI-compatible gateway (records every call)")
-    gateway.add_argument("--model", required=True, help="folder of the policy's tokenizer (chat template)")
-    gateway.add_argument(
-        "--engine", action="append", default=[], metavar="URL", help="a rollout engine (repeat)"
+    gateway = commands.add_parser(
+        "gateway",
+        help="run the OpenAI-compatible gateway in front of rollout engines (records every call)",
+        description="The same options as python -m engines.gateway (GatewayConfig's fields).",
     )
-    gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=8200)
-    gateway.add_argument("--public-url", default=None, help="base of the base_urls handed out")
-    gateway.add_argument(
-        "--admin-token", default=None, help="default: $GYRE_GATEWAY_ADMIN_TOKEN, else random"
+    gateway_settings.add_arguments(gateway)
+    engine = commands.add_parser(
+        "engine",
+        help="run one rollout engine (token-id completions + KV admin)",
+        description="The same options as python -m engines.rollout.server (EngineServerConfig's fields).",
     )
-    gateway.add_argument("--engine-admin-token", default=None, help="default: $GYRE_ROLLOUT_ADMIN_TOKEN")
-    gateway.add_argument("--data-root", default=None, help="trajectory store URL (default: $GYRE_DATA_ROOT)")
-    gateway.add_argument("--campaign", default=None, help="default: $GYRE_CAMPAIGN or 'default'")
-    gateway.add_argument("--step", type=int, default=0, help="step of executions registered without one")
-
-    engine = commands.add_parser("engine", help="run one rollout engine (token-id completions + KV admin)")
-    engine.add_argument("--model", required=True, help="HF folder of the policy")
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--port", type=int, default=8100)
-    engine.add_argument("--engine-id", default="rollout-0")
-    engine.add_argument(
-        "--admin-token", default=None, help="default: $GYRE_ROLLOUT_ADMIN_TOKEN; none = admin off"
-    )
-    engine.add_argument("--device", default="auto")
+    engine_settings.add_arguments(engine)
 
     model = commands.add_parser(
         "model", help="policy models: init (HF format, any fsspec URL), sft (warm start), eval"
     )
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     init = model_commands.add_parser("init", help="write a seeded random-init Qwen2 model and its tokenizer")
-    init.add_argument("--preset", choices=["tiny", "small", "gpu-0.5b", "gpu-1.5b"], default="tiny")
+    init.add_argument(
+        "--preset",
+        choices=["tiny", "small", "gpu-0.5b", "gpu-1.5b"],
+        default="tiny",
+        help="model size (engines/model/config.py PRESETS)",
+    )
     init.add_argument("--out", required=True, help="a folder or fsspec URL (s3://bucket/prefix)")
     init.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
     init.add_argument("--force", action="store_true", help="replace the model files already at --out")
@@ -157,24 +155,39 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_eval_parser(model_commands)
     agents.add_rollout_parser(commands)
     agents.add_bench_parser(bench_commands)
+    _show_defaults(parser)
     return parser
 
 
-def _store_config(args: argparse.Namespace):  # -> StoreConfig (imported lazily: prefect is slow to import)
-    from tasks.trajectory import StoreConfig
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Ends an option's help with its default, unless the help already names it (options generated
+    from a config class do), the option is a flag or required, or it has no default (SUPPRESS)."""
 
-    return StoreConfig(
-        data_root=args.data_root or settings.default_data_root(),
-        campaign=args.campaign or settings.default_campaign(),
-        s3_endpoint_url=args.s3_endpoint_url,
-        vocab_size=args.vocab_size,
-    )
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.nargs == 0
+            or action.required
+            or action.default is argparse.SUPPRESS
+            or "default" in text
+        ):
+            return text
+        shown = "none" if action.default is None else str(action.default).replace("%", "%%")
+        return f"{text} (default: {shown})"
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                subparser.formatter_class = _DefaultsFormatter
+                _show_defaults(subparser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    data_root = getattr(args, "data_root", None) or settings.default_data_root()
-    settings.configure_prefect(data_root)
+    settings.configure_prefect(settings.data_root_of(args))
     try:
         return _dispatch(args)
     except (ValueError, FileNotFoundError, OSError) as error:
@@ -208,16 +221,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model" and args.model_command == "eval":
         return agents.run_eval_command(args)
     if args.command == "gateway":
-        from tasks.serve import gateway_options, serve_gateway
+        from tasks.serve import serve_gateway
 
-        args.data_root = args.data_root or settings.default_data_root()
-        args.campaign = args.campaign or settings.default_campaign()
-        serve_gateway(gateway_options(args))
+        serve_gateway(gateway_settings.config_from_args(args))
         return 0
     if args.command == "engine":
         from tasks.serve import serve_engine
 
-        serve_engine(args.model, args.host, args.port, args.engine_id, args.admin_token, args.device)
+        serve_engine(engine_settings.config_from_args(args))
         return 0
     if args.command == "traj" and args.traj_command == "sample":
         from tasks.trajectory import write_synthetic_trace
@@ -230,7 +241,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     from tasks import trajectory as t
 
-    store = _store_config(args)
+    store = settings.store_config(args)
     if args.command == "sql":
         import duckdb
 

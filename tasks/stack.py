@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from engines.gateway.config import EngineSpec, GatewayConfig
+from engines.rollout.config import EngineConfig, EngineServerConfig
 from trajectory_store.storage import StoreConfig
 
 
@@ -44,37 +46,51 @@ def local_stack(
     max_batch_size: int = 8,
     step: int = 0,
 ) -> Iterator[LocalStack]:
-    """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway."""
+    """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
+    its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with contextlib.ExitStack() as stack:
         engine_urls = []
-        for index in range(engines):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            command = [sys.executable, "-m", "engines.rollout.server", "--model", model_dir]
-            command += ["--port", str(port), "--admin-token", engine_token, "--engine-id", f"local-{index}"]
-            command += ["--max-batch-size", str(max_batch_size)]
-            stack.enter_context(serving_process(command, url, env))
+        for _ in range(engines):
+            engine = EngineServerConfig(
+                model=model_dir,
+                port=free_port(),
+                admin_token=engine_token,
+                engine=EngineConfig(max_batch_size=max_batch_size),
+            )  # engine_id None: each engine is rollout-<its port>
+            url = f"http://{engine.host}:{engine.port}"
+            command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
+            stack.enter_context(serving_process(command, url, env, stdin=engine.model_dump_json()))
             engine_urls.append(url)
-        port = free_port()
-        gateway_url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "engines.gateway", "--model", model_dir, "--port", str(port)]
-        for url in engine_urls:
-            command += ["--engine", url]
-        command += ["--admin-token", admin_token, "--engine-admin-token", engine_token]
-        command += ["--data-root", store.data_root, "--campaign", store.campaign, "--step", str(step)]
-        if store.s3_endpoint_url:
-            env = {**env, "AWS_ENDPOINT_URL": store.s3_endpoint_url}
-        stack.enter_context(serving_process(command, gateway_url, env))
-        yield LocalStack(gateway_url, admin_token, engine_urls, engine_token, store)
+        gateway = GatewayConfig(
+            model=model_dir,
+            port=free_port(),
+            engines=[EngineSpec(url=url) for url in engine_urls],
+            admin_token=admin_token,
+            engine_admin_token=engine_token,
+            store=store,
+            step=step,
+        )
+        command = [sys.executable, "-m", "engines.gateway", "--config", "-"]
+        stack.enter_context(
+            serving_process(command, gateway.base_url(), env, stdin=gateway.model_dump_json())
+        )
+        yield LocalStack(gateway.base_url(), admin_token, engine_urls, engine_token, store)
 
 
 @contextlib.contextmanager
-def serving_process(command: list[str], url: str, env: dict[str, str]) -> Iterator[subprocess.Popen]:
-    """Runs a server process until the block ends; waits for its /health (its log is shown if it dies)."""
+def serving_process(
+    command: list[str], url: str, env: dict[str, str], *, stdin: str | None = None
+) -> Iterator[subprocess.Popen]:
+    """Runs a server process until the block ends; waits for its /health (its log is shown if it dies).
+    ``stdin``: written to the process's standard input, which is then closed (a config as JSON)."""
     with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT
+        )
+        with process.stdin:  # type: ignore[union-attr]
+            process.stdin.write((stdin or "").encode())  # type: ignore[union-attr]
         try:
             deadline = time.monotonic() + 180
             while True:

@@ -191,3 +191,35 @@ def test_sample_preset_regenerates_the_bundled_trace(tmp_path, cli_env, capsys):
     assert main(["traj", "sample", str(out), "--preset", "sample"]) == 0
 
     assert out.read_bytes() == SAMPLE.read_bytes()
+
+
+def test_the_cli_has_the_gateway_engine_and_bench_commands():
+    from cli.main import build_parser
+    from engines.gateway import settings as gateway_settings
+    from engines.rollout import settings as engine_settings
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "engine", "--quick"]).bench_command == "engine"
+    args = parser.parse_args(["gateway", "--model", "m", "--engine", "http://a", "--engine", "http://b"])
+    gateway = gateway_settings.config_from_args(args)
+    assert [e.url for e in gateway.engines] == ["http://a", "http://b"] and gateway.host == "127.0.0.1"
+    assert engine_settings.config_from_args(parser.parse_args(["engine", "--model", "m"])).port == 8100
+
+
+def test_every_option_of_every_command_has_help_and_names_its_default(capsys):
+    from cli.main import build_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if hasattr(action, "choices") and isinstance(action.choices, dict):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, [*path, name])
+            elif action.option_strings and action.dest != "help":
+                yield path, action, parser
+
+    for path, action, parser in walk(build_parser(), []):
+        where = f"gyre {' '.join(path)} {action.option_strings[0]}"
+        assert action.help, where
+        text = parser.formatter_class(prog="gyre")._expand_help(action) if action.help else ""
+        flag = action.nargs == 0 or action.required
+        assert flag or "default" in text or "required" in text, where

@@ -375,13 +375,3 @@ def test_the_recorded_policy_version_is_the_engines_after_a_weight_swap(stack):
     finally:
         for engine in engines:
             engine.update_weights(engine.runner.model.state_dict(), version=0)
-
-
-def test_the_cli_has_the_gateway_engine_and_bench_commands():
-    from cli.main import build_parser
-
-    parser = build_parser()
-    assert parser.parse_args(["bench", "engine", "--quick"]).bench_command == "engine"
-    gateway = parser.parse_args(["gateway", "--model", "m", "--engine", "http://a", "--engine", "http://b"])
-    assert gateway.engine == ["http://a", "http://b"] and gateway.host == "127.0.0.1"
-    assert parser.parse_args(["engine", "--model", "m"]).port == 8100

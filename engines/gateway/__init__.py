@@ -26,11 +26,35 @@ Pieces (each module's docstring has the details):
     recording.py      CallRecording: calls and executions through trajectory_store's Recorder, one FIFO thread
     service.py        Gateway: one call end to end (limits, context, router, stops, recording, answer)
     app.py            create_app: the FastAPI routes, auth, limits, OpenAI-style errors, SSE
+    settings.py       the gateway process's options (from GatewayConfig), --config JSON, its environment
     __main__.py       python -m engines.gateway --model DIR --engine URL [--engine URL ...]
 """
 
-from engines.gateway.codec import ChatCodec
-from engines.gateway.config import EngineSpec, GatewayConfig, LimitsConfig
-from engines.gateway.service import Gateway
+from typing import TYPE_CHECKING
 
-__all__ = ["ChatCodec", "EngineSpec", "Gateway", "GatewayConfig", "LimitsConfig"]
+from engines import lazy_exports
+
+# where each name lives; imported on first use, so that reading the config (the `gyre` parser does)
+# does not import the tokenizer and the web stack
+_HOMES = {
+    "ChatCodec": "codec",
+    "EngineSpec": "config",
+    "GatewayConfig": "config",
+    "LimitsConfig": "config",
+    "Gateway": "service",
+}
+__all__ = [
+    "ChatCodec",
+    "EngineSpec",
+    "Gateway",
+    "GatewayConfig",
+    "LimitsConfig",
+]
+
+if TYPE_CHECKING:
+    from engines.gateway.codec import ChatCodec
+    from engines.gateway.config import EngineSpec, GatewayConfig, LimitsConfig
+    from engines.gateway.service import Gateway
+
+
+__getattr__ = lazy_exports(__name__, _HOMES)

@@ -3,7 +3,7 @@
 Token ids at every boundary: a request is a session's full prompt as token ids; an output is the
 sampled ids with the policy's raw logprob of each and the policy version that produced it.
 
-    config.py     EngineConfig
+    config.py     EngineConfig; EngineServerConfig (the server process: address, admin token, engine id)
     messages.py   SamplingParams, GenerateRequest, GenerateOutput
     engine.py     RolloutEngine: add_request / step / generate / abort, prefix KV cache per session,
                   continuous batching, LRU eviction, weight hot-swap, sleep / wake, export / import
@@ -13,18 +13,33 @@ sampled ids with the policy's raw logprob of each and the policy version that pr
     state.py      Session, RequestState, EngineStats
     migration.py  SessionState, pack / unpack, KVTransport: ShmTransport, TorchIpcTransport, GlooTransport
     server.py     FastAPI app: vLLM-shaped /v1/completions with token ids, admin endpoints
+    settings.py   the server process's options (from EngineServerConfig), --config JSON, its environment
     loop.py       EngineLoop: the background thread that steps the engine for the server
 
 Run a server on a model folder:  python -m engines.rollout.server --model ./models/tiny --port 8100
 """
 
-from engines.rollout.config import EngineConfig
-from engines.rollout.engine import RolloutEngine
-from engines.rollout.messages import GenerateOutput, GenerateRequest, SamplingParams
-from engines.rollout.migration import GlooTransport, KVTransport, SessionState, ShmTransport
+from typing import TYPE_CHECKING
 
+from engines import lazy_exports
+
+# where each name lives; imported on first use, so that reading a config (the `gyre` parser does)
+# does not import torch
+_HOMES = {
+    "EngineConfig": "config",
+    "EngineServerConfig": "config",
+    "RolloutEngine": "engine",
+    "GenerateOutput": "messages",
+    "GenerateRequest": "messages",
+    "SamplingParams": "messages",
+    "GlooTransport": "migration",
+    "KVTransport": "migration",
+    "SessionState": "migration",
+    "ShmTransport": "migration",
+}
 __all__ = [
     "EngineConfig",
+    "EngineServerConfig",
     "GenerateOutput",
     "GenerateRequest",
     "GlooTransport",
@@ -34,3 +49,12 @@ __all__ = [
     "SessionState",
     "ShmTransport",
 ]
+
+if TYPE_CHECKING:
+    from engines.rollout.config import EngineConfig, EngineServerConfig
+    from engines.rollout.engine import RolloutEngine
+    from engines.rollout.messages import GenerateOutput, GenerateRequest, SamplingParams
+    from engines.rollout.migration import GlooTransport, KVTransport, SessionState, ShmTransport
+
+
+__getattr__ = lazy_exports(__name__, _HOMES)

@@ -1,4 +1,8 @@
-"""Typed configuration of one rollout engine (DESIGN.md section 3: each layer owns its config)."""
+"""Typed configuration of one rollout engine (DESIGN.md section 3: each layer owns its config).
+
+EngineConfig        what one RolloutEngine may hold and how it runs
+EngineServerConfig  the server process around it (server.py): address, admin token, engine id
+"""
 
 from __future__ import annotations
 
@@ -52,3 +56,26 @@ class EngineConfig(BaseModel):
     )
     engine_id: str = Field("rollout-0", description="stamped on every output (GenerateOutput.engine_id)")
     policy_version: int = Field(0, description="version of the weights the engine starts with")
+
+
+class EngineServerConfig(BaseModel):
+    """One engine server process (server.py): where it listens, who may administer it, and its engine."""
+
+    model: str = Field(description="HF folder of the policy (config.json, safetensors, tokenizer)")
+    host: str = Field("127.0.0.1", description="bind address; loopback unless told otherwise")
+    port: int = Field(8100, ge=0, le=65535, description="bind port")
+    served_model_name: str = Field("gyre-policy", description="the model id /v1/models lists")
+    admin_token: str | None = Field(
+        None,
+        description="bearer token of the /admin API (weights, sleep, KV export/import); None = admin off",
+    )
+    engine_id: str | None = Field(
+        None,
+        description="this engine's id in the gateway's routing, stats and records; None = rollout-<port>, "
+        "so engines on one host never share an id",
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the engine itself")
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's config with this server's engine id."""
+        return self.engine.model_copy(update={"engine_id": self.engine_id or f"rollout-{self.port}"})

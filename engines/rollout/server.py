@@ -1,7 +1,9 @@
 """HTTP front of one RolloutEngine: a vLLM-shaped OpenAI completions API on token ids, plus admin.
 
-    python -m engines.rollout.server --model ./models/tiny --port 8100 --admin-token "$TOKEN"
-        (prints one line on stderr when the model is loaded: engine id, address, model, device, limits)
+    GYRE_ROLLOUT_ADMIN_TOKEN=... python -m engines.rollout.server --model ./models/tiny --port 8100
+        (prints one line on stderr when the model is loaded: engine id, address, model, device, limits;
+        --help lists every option of EngineServerConfig, settings.py; --config - reads it as JSON)
+    serve(EngineServerConfig(model=...))                 # the same, from a typed config
     app = create_app(engine, admin_token="...")          # then run it with uvicorn yourself
 
 Endpoints (request and response models: engines/protocol.py, which the gateway imports too):
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import secrets
 import sys
 import time
@@ -63,6 +64,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from engines.model.weights import read_weights
+from engines.options import parse_config
 from engines.protocol import (
     ChoiceLogprobs,
     EngineChoice,
@@ -77,6 +79,7 @@ from engines.protocol import (
     SessionImport,
     SessionImported,
 )
+from engines.rollout.config import EngineServerConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.loop import EngineLoop
 from engines.rollout.messages import GenerateOutput, GenerateRequest, SamplingParams
@@ -292,45 +295,37 @@ def _completion(
     return Response(completion.model_dump_json(), media_type="application/json")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """python -m engines.rollout.server's options: EngineServerConfig's fields (settings.py)."""
+    from engines.rollout import settings
+
+    parser = argparse.ArgumentParser(
+        prog="python -m engines.rollout.server", description=__doc__.split("\n")[0]
+    )
+    settings.add_arguments(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
+    from engines.rollout import settings
+
+    serve(parse_config(build_parser(), settings.config_from_args, argv))
+
+
+def serve(config: EngineServerConfig) -> None:
+    """Loads the model, prints the start banner on stderr and serves until interrupted."""
     import uvicorn
 
-    from engines.rollout.config import EngineConfig
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="HF folder of the policy")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--served-model-name", default="gyre-policy")
-    parser.add_argument(
-        "--admin-token", default=None, help="default: $GYRE_ROLLOUT_ADMIN_TOKEN; none = admin off"
-    )
-    parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--kv-budget-tokens", type=int, default=262_144)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument(
-        "--engine-id",
-        default=None,
-        help="this engine's id in the gateway's routing, stats and records (default: rollout-<port>)",
-    )
-    args = parser.parse_args(argv)
-    token = args.admin_token or os.environ.get("GYRE_ROLLOUT_ADMIN_TOKEN")  # the one env read
-    config = EngineConfig(
-        max_batch_size=args.max_batch_size,
-        kv_budget_tokens=args.kv_budget_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        engine_id=args.engine_id or f"rollout-{args.port}",
-    )
-    engine = RolloutEngine(args.model, config)
-    app = create_app(engine, admin_token=token, model_name=args.served_model_name)
+    engine = RolloutEngine(config.model, config.engine_config())
+    app = create_app(engine, admin_token=config.admin_token, model_name=config.served_model_name)
     print(
-        banner(engine, f"http://{args.host}:{args.port}", args.model, admin=token is not None),
+        banner(
+            engine, f"http://{config.host}:{config.port}", config.model, admin=config.admin_token is not None
+        ),
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
 
 
 def banner(engine: RolloutEngine, url: str, model: str, *, admin: bool) -> str:
