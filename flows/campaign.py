@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
 from tasks.campaign import (
@@ -155,3 +156,16 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
             update_progress(progress, version, config.steps)
             campaign_summary(config.name, committed_steps(store), committed_evaluations(store))
     return records
+
+
+@flow(name="scheduled-campaign", flow_run_name="{name}")
+def scheduled_campaign(
+    config_path: str = "configs/demo.toml", name: str = "scheduled", overrides: dict | None = None
+) -> list[StepRecord]:
+    """A campaign started by a deployment (deployments/prefect.yaml): the config file with ``overrides``
+    (a partial config, merged section by section), named ``<name>-<the flow run id's first 8 hex>``, so
+    every scheduled run is a campaign of its own and a retry of that run resumes it."""
+    config = CampaignConfig.from_toml(config_path).merged(overrides or {})
+    run_id = flow_run.id
+    config.name = f"{name}-{run_id.split('-')[0]}" if run_id else name
+    return campaign(config)

@@ -49,6 +49,21 @@ class CampaignConfig(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
 
+    def merged(self, overrides: dict) -> CampaignConfig:
+        """A copy with ``overrides`` (a partial config) merged in, section by section, validated."""
+
+        def merge(base: dict, extra: dict) -> dict:
+            out = dict(base)
+            for key, value in extra.items():
+                out[key] = (
+                    merge(out[key], value)
+                    if isinstance(value, dict) and isinstance(out.get(key), dict)
+                    else value
+                )
+            return out
+
+        return CampaignConfig.model_validate(merge(self.model_dump(), overrides))
+
     @classmethod
     def from_toml(cls, path: str | Path) -> CampaignConfig:
         try:

@@ -1,0 +1,147 @@
+"""`gyre bench learn [--quick]`: does the campaign teach the policy? Measured on held-out problems.
+
+    gyre bench learn --quick     # configs/learn-quick.toml: what `make run` shows
+    gyre bench learn             # configs/learn.toml: the full run
+
+Runs the campaign flow (flows/campaign.py) from the config's starting policy (the warm start shipped
+under data/policies/) in a fresh data root, then reads the held-out evaluations back from the store:
+the same problems (generator seed [evaluation].seed, never trained on: training problems come from
+[problems].seed + step) evaluated greedily before the first step and after the last.
+
+Figures (bench/results/learn.json): minutes, steps, executions, pass_rate_before / pass_rate_after,
+mean_reward_before / mean_reward_after, pass_rate_gain and its paired 95% interval over the held-out
+problems (pass_rate_gain_ci95_low / _high: a bootstrap of the per-problem differences, 10,000
+resamples, seeded), tokens_trained, naive_over_unique_tokens, and the curves (held-out pass rate per
+evaluated version, training reward and pass rate per step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+from typing import Any
+
+from flows.campaign import campaign, campaign_store
+from flows.config import CampaignConfig
+from tasks.campaign import committed_evaluations
+from trajectory_store.storage import Store
+
+DEFAULT_OUT = "bench/results/learn.json"
+CONFIGS = {True: "configs/learn-quick.toml", False: "configs/learn.toml"}
+
+
+def paired_bootstrap(differences: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """The 2.5% and 97.5% percentiles of the mean of ``differences`` resampled with replacement."""
+    if not differences:
+        return 0.0, 0.0
+    rng = random.Random(seed)
+    n = len(differences)
+    means = sorted(sum(rng.choice(differences) for _ in range(n)) / n for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def held_out_results(store, version: int) -> dict[str, float]:
+    """problem id -> reward of the held-out evaluation of ``version``."""
+    rows = Store(store).read_table("executions").to_pylist()
+    return {r["problem_id"]: float(r["reward"] or 0.0) for r in rows if r["step"] == version}
+
+
+def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> dict[str, Any]:
+    store, eval_store = campaign_store(config)
+    before, after = held_out_results(eval_store, 0), held_out_results(eval_store, config.steps)
+    problems = sorted(set(before) & set(after))
+    if not problems:
+        raise RuntimeError(
+            f"no held-out problem was evaluated both at version 0 and at version {config.steps}"
+        )
+    passed_before = [float(before[p] == 1.0) for p in problems]
+    passed_after = [float(after[p] == 1.0) for p in problems]
+    low, high = paired_bootstrap([a - b for a, b in zip(passed_after, passed_before, strict=True)])
+    steps = [r.metrics for r in records]
+    naive = sum(m.get("tokens_naive", 0.0) for m in steps)
+    unique = sum(m.get("tokens_unique", 0.0) for m in steps)
+    evaluations = committed_evaluations(store)
+    n = len(problems)
+    return {
+        "policy": config.policy,
+        "suites": list(config.problems.suites),
+        "minutes": round(minutes, 2),
+        "steps": len(records),
+        "executions": int(sum(m.get("executions", 0.0) for m in steps)),
+        "held_out_problems": n,
+        "pass_rate_before": round(sum(passed_before) / n, 4),
+        "pass_rate_after": round(sum(passed_after) / n, 4),
+        "mean_reward_before": round(sum(before[p] for p in problems) / n, 4),
+        "mean_reward_after": round(sum(after[p] for p in problems) / n, 4),
+        "pass_rate_gain": round((sum(passed_after) - sum(passed_before)) / n, 4),
+        "pass_rate_gain_ci95_low": round(low, 4),
+        "pass_rate_gain_ci95_high": round(high, 4),
+        "problems_gained": int(sum(a > b for a, b in zip(passed_after, passed_before, strict=True))),
+        "problems_lost": int(sum(a < b for a, b in zip(passed_after, passed_before, strict=True))),
+        "tokens_trained": int(sum(m.get("tokens_trained", 0.0) for m in steps)),
+        "naive_over_unique_tokens": round(naive / unique, 3) if unique else 0.0,
+        "executions_zero_signal": int(sum(m.get("executions_zero_signal", 0.0) for m in steps)),
+        "curve_held_out": {
+            str(v): {
+                "pass_rate": round(f.get("pass_rate", 0.0), 4),
+                "mean_reward": round(f.get("mean_reward", 0.0), 4),
+            }
+            for v, f in evaluations.items()
+        },
+        "curve_train": [
+            {
+                "step": r.step,
+                "mean_reward": round(r.metrics.get("mean_reward", 0.0), 4),
+                "pass_rate": round(r.metrics.get("pass_rate", 0.0), 4),
+                "executions_trained": int(r.metrics.get("executions_trained", 0.0)),
+                "step_s": round(r.metrics.get("step_s", 0.0), 1),
+            }
+            for r in records
+        ],
+    }
+
+
+def run(quick: bool, config_path: str | None = None, data_root: str | None = None) -> dict[str, Any]:
+    path = config_path or CONFIGS[quick]
+    config = CampaignConfig.from_toml(path)
+    with tempfile.TemporaryDirectory(prefix="gyre-learn-") as tmp:
+        config.store.data_root = data_root or os.path.join(tmp, "data")
+        started = time.perf_counter()
+        records = campaign(config)
+        figures = figures_of(config, records, (time.perf_counter() - started) / 60)
+    figures["config"] = path
+    return figures
+
+
+def main(
+    quick: bool = False, out: str = DEFAULT_OUT, config: str | None = None, data_root: str | None = None
+) -> int:
+    figures = run(quick, config, data_root)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as handle:
+        json.dump(figures, handle, indent=1)
+    print(
+        f"config                    {figures['config']} (policy {figures['policy']}, suites {figures['suites']})"
+    )
+    print(
+        f"minutes / steps / executions  {figures['minutes']} / {figures['steps']} / {figures['executions']}"
+    )
+    print(
+        f"held-out pass rate        {figures['pass_rate_before']} -> {figures['pass_rate_after']} "
+        f"(gain {figures['pass_rate_gain']}, 95% CI [{figures['pass_rate_gain_ci95_low']}, "
+        f"{figures['pass_rate_gain_ci95_high']}] over {figures['held_out_problems']} problems; "
+        f"{figures['problems_gained']} gained, {figures['problems_lost']} lost)"
+    )
+    print(f"held-out mean reward      {figures['mean_reward_before']} -> {figures['mean_reward_after']}")
+    print(
+        f"tokens trained            {figures['tokens_trained']} (sent / unique {figures['naive_over_unique_tokens']}x)"
+    )
+    for version, point in figures["curve_held_out"].items():
+        print(
+            f"  version {version:>3}: held-out pass rate {point['pass_rate']}, reward {point['mean_reward']}"
+        )
+    print(f"wrote {out}")
+    return 0

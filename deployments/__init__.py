@@ -1,0 +1,1 @@
+"""The scheduled campaigns (prefect.yaml) and what registers them with a Prefect server."""

@@ -1,0 +1,186 @@
+"""The scheduled campaigns: prefect.yaml parses and checks, and a deployment runs through a real process
+worker against a real local Prefect server; a run whose step failed after its executions finished is
+retried through the API (what the UI's Retry does) and resumes without dispatching them again."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deployments.deploy import DEFAULT_FILE, ROOT, check, read_specs, worker_command
+
+
+def test_the_shipped_deployments_load_validate_and_have_schedules():
+    specs = read_specs(DEFAULT_FILE)
+    assert [s.name for s in specs] == ["nightly", "weekly"]
+    assert [s.schedules[0].cron for s in specs] == ["0 2 * * *", "0 3 * * 0"]
+    assert all(s.pool == "gyre" and s.entrypoint == "flows/campaign.py:scheduled_campaign" for s in specs)
+    for spec in specs:
+        check(spec)  # the entrypoint loads; the parameters make a valid CampaignConfig
+
+
+def test_bad_deployment_files_are_refused_with_the_reason(tmp_path):
+    bad = tmp_path / "prefect.yaml"
+    bad.write_text("deployments:\n  - name: x\n    entrypoint: flows/campaign.py:scheduled_campaign\n")
+    with pytest.raises(ValueError, match="deployment 'x': missing or malformed field 'work_pool'"):
+        read_specs(bad)
+    bad.write_text(
+        "deployments:\n  - name: x\n    entrypoint: flows/campaign.py:scheduled_campaign\n"
+        "    work_pool: {name: p}\n    schedules: [{cron: 'not a cron'}]\n"
+    )
+    with pytest.raises(ValueError, match="deployment 'x'"):
+        read_specs(bad)
+    spec = read_specs(DEFAULT_FILE)[0]
+    spec.parameters = {**spec.parameters, "overrides": {"steps": -1}}
+    with pytest.raises(ValueError, match="steps"):
+        check(spec)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def local_server(tmp_path_factory):
+    """A real `prefect server start` (SQLite in a temporary PREFECT_HOME) on loopback."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    log = open(home / "server.log", "wb")  # noqa: SIM115  (open for the server's whole life)
+    server = subprocess.Popen(
+        [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 180
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    try:
+        yield url, env
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def _wait_for(url: str, run_id: str, states: set[str], timeout_s: float = 600) -> str:
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.monotonic() + timeout_s
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            state = client.read_flow_run(run_id).state
+            if state is not None and state.type.value in states:
+                return state.type.value
+            time.sleep(2)
+    raise AssertionError(f"flow run {run_id} did not reach {states} in {timeout_s} s")
+
+
+CONFIG = """
+policy = "{policy}"
+steps = 1
+[store]
+data_root = "{data}"
+[packing]
+token_budget = {budget}
+[problems]
+suites = ["terminal"]
+per_step = 1
+zero_signal = "top_up"
+top_up_rounds = 0
+[evaluation]
+per_suite = 1
+[dispatch]
+group_size = 2
+concurrency = 2
+timeout_s = 60
+[dispatch.durations]
+short_turns = 1
+long_fraction = 0.0
+[dispatch.harness]
+max_tokens = 24
+max_retries = 0
+max_subagents = 0
+[serving]
+trainer_threads = 1
+"""
+
+
+@pytest.mark.slow
+def test_a_deployment_runs_through_a_worker_and_a_failed_step_retried_resumes(local_server, tmp_path):
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from deployments.deploy import register
+    from engines.model import ModelConfig, init_model
+    from trajectory_store.storage import Store, StoreConfig
+
+    url, env = local_server
+    policy = tmp_path / "policy"
+    init_model(ModelConfig(preset="tiny", seed=0), str(policy))
+    config = tmp_path / "campaign.toml"
+    data = tmp_path / "data"
+    # a token budget below any prompt: the step's executions finish, then packing fails
+    config.write_text(CONFIG.format(policy=policy, data=data, budget=16))
+    spec = tmp_path / "prefect.yaml"
+    spec.write_text(
+        "deployments:\n  - name: test\n    entrypoint: flows/campaign.py:scheduled_campaign\n"
+        f"    parameters: {{config_path: '{config}', name: t, overrides: {{}}}}\n"
+        "    work_pool: {name: gyre-test}\n"
+    )
+    worker_env = {**env, "PREFECT_API_URL": url, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    with temporary_settings({PREFECT_API_URL: url}):
+        assert list(register(spec)) == ["scheduled-campaign/test"]
+        worker = subprocess.Popen(
+            worker_command("gyre-test"),
+            cwd=ROOT,
+            env=worker_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            run = run_deployment("scheduled-campaign/test", timeout=0)
+            run_id = str(run.id)
+            assert _wait_for(url, run_id, {"FAILED", "CRASHED", "COMPLETED"}) == "FAILED"
+            store = StoreConfig(data_root=str(data), campaign=f"t-{run_id.split('-')[0]}")
+            before = Store(store).read_table("executions").to_pylist()
+            calls_before = Store(store).read_table("calls").num_rows
+            assert sorted(r["step"] for r in before) == [0, 0]
+
+            config.write_text(CONFIG.format(policy=policy, data=data, budget=4096))  # the fix
+            retry = subprocess.run(
+                [str(Path(sys.executable).parent / "prefect"), "flow-run", "retry", run_id],
+                env=worker_env,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert retry.returncode == 0, retry.stdout + retry.stderr
+            assert _wait_for(url, run_id, {"FAILED", "CRASHED", "COMPLETED"}) == "COMPLETED"
+        finally:
+            worker.terminate()
+            worker.wait(timeout=60)
+    after = Store(store).read_table("executions").to_pylist()
+    assert sorted(r["execution_id"] for r in after) == sorted(r["execution_id"] for r in before)
+    assert Store(store).read_table("calls").num_rows == calls_before  # nothing ran again
+    assert (data / "campaigns" / store.campaign / "steps" / "step=0.json").exists()
