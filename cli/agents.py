@@ -1,8 +1,11 @@
-"""The agent commands of `gyre`: rollout, model sft and bench rollout (parsers and handlers).
+"""The agent commands of `gyre`: rollout, model sft|eval and bench rollout (parsers and handlers).
 
 gyre rollout --suite swe --n 4 --timeout 60 --gateway http://127.0.0.1:8200 --admin-token T
 gyre rollout --suite terminal --n 4 --model ./models/tiny        # starts engine + gateway itself
+    (one row per execution as it finishes, a summary, and "recorded to <data root> (campaign, step)";
+    execution ids end in a fresh run id, so running it again never collides with the first run)
 gyre model sft --model ./models/tiny --out ./models/tiny-sft
+gyre model eval --model ./models/tiny-sft
 gyre bench rollout --quick
 """
 
@@ -10,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import shlex
+import sys
 from dataclasses import asdict
 
 from cli import settings
+from cli.executions import add_gateway_options, admin_token_for, call_gateway, gateway_of, recorded_line
 
 SUITES = ["repo", "swe", "terminal", "mixed", "folder"]
 
@@ -42,11 +48,12 @@ def add_rollout_parser(commands) -> None:
     rollout.add_argument("--long-fraction", type=float, default=0.2, help="executions with 10-50x the turns")
     rollout.add_argument("--step", type=int, default=0, help="the step the executions are recorded at")
     rollout.add_argument(
-        "--gateway", default=None, help="a running gateway's URL (default: $GYRE_GATEWAY_URL)"
+        "--run-id",
+        default=None,
+        help="appended to every execution id (s0-<problem>-g0-<run id>); default: a fresh one per run, so "
+        "a second run never collides with the first; '' for none (then a rerun at the same step is refused)",
     )
-    rollout.add_argument(
-        "--admin-token", default=None, help="the gateway's admin token (default: $GYRE_GATEWAY_ADMIN_TOKEN)"
-    )
+    add_gateway_options(rollout, alternative="; or --model")
     rollout.add_argument("--model", default=None, help="no gateway: start an engine + gateway on this model")
     rollout.add_argument(
         "--harness-command",
@@ -116,12 +123,31 @@ def add_bench_parser(bench_commands) -> None:
     bench.add_argument("--out", default="bench/results/rollout.json", help="where the figures go (JSON)")
 
 
+ROW = "{:<40} {:<11} {:>6} {:<18} {:>5} {:>8}"
+
+
+def outcome_row(outcome) -> str:
+    reward = "-" if outcome.reward is None else f"{outcome.reward:.2f}"
+    row = ROW.format(
+        outcome.execution_id,
+        outcome.status,
+        reward,
+        outcome.reward_source or "-",
+        outcome.calls,
+        outcome.branches,
+    )
+    return row + (f"  ({outcome.error})" if outcome.error else "")
+
+
 def run_rollout_command(args: argparse.Namespace) -> int:
+    """Dispatches the executions, printing one row per execution as it finishes (on stderr with
+    --format json), then the summary and where the gateway recorded them."""
     import contextlib
 
     from tasks.rollout import (
         DispatchConfig,
         DurationProfile,
+        GatewayAdminError,
         choose_problems,
         run_rollout,
         summarize_outcomes,
@@ -136,6 +162,7 @@ def run_rollout_command(args: argparse.Namespace) -> int:
         length=args.length,
         folder=args.problems,
     )
+    run_id = f"r{secrets.token_hex(3)}" if args.run_id is None else (args.run_id or None)
     config = DispatchConfig(
         step=args.step,
         group_size=args.group_size,
@@ -143,15 +170,13 @@ def run_rollout_command(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         durations=DurationProfile(short_turns=args.turns, long_fraction=args.long_fraction),
         harness_command=shlex.split(args.harness_command) if args.harness_command else None,
+        run_id=run_id,
     )
-    gateway = args.gateway or settings.gateway_url()
+    progress = sys.stderr if args.format == "json" else sys.stdout
+    gateway, token = gateway_of(args)
     with contextlib.ExitStack() as stack:
         if gateway:
-            token = args.admin_token or settings.gateway_admin_token()
-            if not token:
-                raise ValueError(
-                    "--gateway needs the gateway's admin token (--admin-token or $GYRE_GATEWAY_ADMIN_TOKEN)"
-                )
+            token = admin_token_for(gateway, token)
         elif args.model:
             from tasks.stack import local_stack
 
@@ -159,24 +184,35 @@ def run_rollout_command(args: argparse.Namespace) -> int:
             gateway, token = local.gateway_url, local.admin_token
         else:
             raise ValueError("give --gateway URL (a running gateway) or --model DIR (start one here)")
-        outcomes = run_rollout(problems, gateway, token, store, config)
-    if args.format == "json":
-        print(json.dumps([asdict(o) for o in outcomes], indent=1))
-        return 0
-    print(
-        f"{'execution':<36} {'status':<11} {'reward':>6} {'reward_source':<18} {'calls':>5} {'branches':>8}"
-    )
-    for o in outcomes:
-        reward = "-" if o.reward is None else f"{o.reward:.2f}"
         print(
-            f"{o.execution_id:<36} {o.status:<11} {reward:>6} {o.reward_source or '-':<18} "
-            f"{o.calls:>5} {o.branches:>8}" + (f"  ({o.error})" if o.error else "")
+            ROW.format("execution", "status", "reward", "reward_source", "calls", "branches"), file=progress
         )
+        try:
+            outcomes = run_rollout(
+                problems,
+                gateway,
+                token,
+                store,
+                config,
+                lambda o: print(outcome_row(o), file=progress, flush=True),
+            )
+        except GatewayAdminError as exc:
+            if exc.status != 409:
+                raise ValueError(str(exc)) from None
+            raise ValueError(
+                f"{exc}. An execution of this run is already finished on the gateway: give another "
+                "--run-id, or leave --run-id out (each run gets a fresh one)"
+            ) from None
+        where = recorded_line(call_gateway(gateway, token, lambda admin: admin.stats()), args.step)
     summary = summarize_outcomes(outcomes)
     print(
         f"{summary['executions']} executions: {summary['by_status']}, mean reward {summary['mean_reward']:.3f}, "
-        f"pass rate {summary['pass_rate']:.2f}, {summary['timeouts_graded']} timeouts graded from snapshots"
+        f"pass rate {summary['pass_rate']:.2f}, {summary['timeouts_graded']} timeouts graded from snapshots",
+        file=progress,
     )
+    print(f"{where}; run id {run_id or '(none)'}", file=progress)
+    if args.format == "json":
+        print(json.dumps([asdict(o) for o in outcomes], indent=1))
     return 0
 
 

@@ -34,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cli import agents, settings
+from cli import agents, executions, settings
 from cli.format import render
 from engines.gateway import settings as gateway_settings
 from engines.rollout import settings as engine_settings
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_sft_parser(model_commands)
     agents.add_eval_parser(model_commands)
     agents.add_rollout_parser(commands)
+    executions.add_execution_parser(commands)
     agents.add_bench_parser(bench_commands)
     _show_defaults(parser)
     return parser
@@ -216,6 +217,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return bench_rollout(quick=args.quick, out=args.out, model=args.model)
     if args.command == "rollout":
         return agents.run_rollout_command(args)
+    if args.command == "execution":
+        return executions.run_execution_command(args)
     if args.command == "model" and args.model_command == "sft":
         return agents.run_sft_command(args)
     if args.command == "model" and args.model_command == "eval":

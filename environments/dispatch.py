@@ -22,6 +22,9 @@ For every (problem, group member) the dispatcher
 6. finishes the execution through the gateway, which records it next to its calls.
 
 Nothing is dropped silently: every execution ends with exactly one finish, whatever happened.
+Execution ids are ``s<step>-<problem>-g<member>``, plus ``-<run_id>`` when DispatchConfig.run_id is
+set (`gyre rollout` sets a fresh one per run, so a second run never collides with the first; a
+campaign step leaves it unset, so a retried step finds its own executions).
 Durations are heavy-tailed like real xLong work: most executions get a short turn budget, a
 configurable fraction gets ``long_factor`` times more (see DurationProfile).
 """
@@ -41,6 +44,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -109,6 +113,10 @@ class DispatchConfig:
     """Disk quota of each workspace (a tmpfs of this size; None: a plain folder, no quota)."""
     workspace_files: int = 50_000
     """Files and folders a workspace may hold (with a quota)."""
+    run_id: str | None = None
+    """Appended to every execution and group id (s0-p-g0-<run_id>), so a second run of the same
+    problems at the same step makes new executions; None: ids are (step, problem, member) alone,
+    the same for a retried step (retry-safe)."""
     campaign: str | None = None
     """Record the executions in this campaign of the gateway's data root (None: the gateway's own);
     a held-out evaluation beside a training campaign uses one."""
@@ -149,48 +157,77 @@ class ExecutionOutcome:
     error: str | None = None
 
 
+class GatewayAdminError(RuntimeError):
+    """The gateway refused an admin request; ``status`` is its HTTP status (409: the execution id is
+    already finished there, so it cannot be registered again)."""
+
+    def __init__(self, path: str, status: int, text: str):
+        super().__init__(f"gateway {path} answered {status}: {text[:500]}")
+        self.path, self.status = path, status
+
+
 class GatewayAdmin:
-    """The gateway's admin API (register / finish executions)."""
+    """The gateway's admin API for executions: register, finish, and the gateway's stats. The same
+    calls an external orchestrator makes (`gyre execution register|finish` use this class)."""
 
     def __init__(self, url: str, token: str, client: httpx.AsyncClient):
         self.url, self.client = url.rstrip("/"), client
         self.headers = {"Authorization": f"Bearer {token}"}
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await self.client.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=120)
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = await self.client.request(
+            method, f"{self.url}{path}", json=body, headers=self.headers, timeout=120
+        )
         if response.status_code != 200:
-            raise RuntimeError(f"gateway {path} answered {response.status_code}: {response.text[:500]}")
+            raise GatewayAdminError(path, response.status_code, response.text)
         return response.json()
 
     async def register(
         self,
         execution_id: str,
-        problem: Problem,
-        group_id: str,
-        step: int,
-        harness: str,
+        *,
+        problem_id: str | None = None,
+        group_id: str | None = None,
+        step: int | None = None,
+        harness: str | None = None,
         campaign: str | None = None,
-    ):
+    ) -> dict[str, Any]:
+        """{execution_id, step, campaign, base_url, agent_base_url, api_key, created}."""
         body = {
             "execution_id": execution_id,
-            "problem_id": problem.problem_id,
+            "problem_id": problem_id,
             "group_id": group_id,
             "step": step,
             "harness": harness,
             "campaign": campaign,
         }
-        return await self._post("/admin/executions", body)
+        return await self._request("POST", "/admin/executions", body)
 
-    async def finish(self, outcome: ExecutionOutcome) -> dict[str, Any]:
+    async def finish(
+        self,
+        execution_id: str,
+        status: Status,
+        *,
+        reward: float | None,
+        reward_source: RewardSource | None = None,
+        snapshot_uri: str | None = None,
+    ) -> dict[str, Any]:
+        """{execution_id, status, calls, flush}: the gateway records the execution next to its calls."""
         body = {
-            "status": outcome.status,
-            "reward": outcome.reward,
-            "reward_source": outcome.reward_source,
-            "snapshot_uri": outcome.snapshot_uri,
+            "status": status,
+            "reward": reward,
+            "reward_source": reward_source,
+            "snapshot_uri": snapshot_uri,
         }
-        result = await self._post(f"/admin/executions/{outcome.execution_id}/finish", body)
-        outcome.calls = max(outcome.calls, int(result.get("calls") or 0))
-        return result
+        return await self._request("POST", f"/admin/executions/{execution_id}/finish", body)
+
+    async def execution(self, execution_id: str) -> dict[str, Any]:
+        """A live execution: {execution_id, step, calls, agents}."""
+        return await self._request("GET", f"/admin/executions/{execution_id}")
+
+    async def stats(self) -> dict[str, Any]:
+        """/admin/stats: engines, counters, and where the gateway records (store, step)."""
+        return await self._request("GET", "/admin/stats")
 
 
 def harness_name(command: list[str] | None) -> str:
@@ -207,8 +244,13 @@ def harness_name(command: list[str] | None) -> str:
     return program
 
 
-def execution_id_for(step: int, problem: Problem, member: int) -> str:
-    return f"s{step}-{problem.problem_id}-g{member}"
+def group_id_for(step: int, problem: Problem, run_id: str | None = None) -> str:
+    return f"s{step}-{problem.problem_id}" + (f"-{run_id}" if run_id else "")
+
+
+def execution_id_for(step: int, problem: Problem, member: int, run_id: str | None = None) -> str:
+    """s<step>-<problem>-g<member>[-<run_id>]: the same for a retry of the same run (retry-safe)."""
+    return f"s{step}-{problem.problem_id}-g{member}" + (f"-{run_id}" if run_id else "")
 
 
 async def dispatch(
@@ -218,27 +260,46 @@ async def dispatch(
     store: StoreConfig,
     config: DispatchConfig | None = None,
     members: dict[str, list[int]] | None = None,
+    on_outcome: Callable[[ExecutionOutcome], None] | None = None,
 ) -> list[ExecutionOutcome]:
     """Runs group_size executions of every problem; returns one outcome each (in problem order).
 
     ``members`` (problem id -> member indices) runs only those members of the problems it names: a
-    retried step dispatches what did not finish, never a finished execution again."""
+    retried step dispatches what did not finish, never a finished execution again. ``on_outcome`` is
+    called with each outcome as its execution finishes (progress). An execution id the gateway has
+    already finished (409) starts nothing more: the executions already running end as usual, then
+    the GatewayAdminError is raised."""
     config = config or DispatchConfig()
     root = config.workspace_root or tempfile.mkdtemp(prefix="gyre-workspaces-")
     Path(root).mkdir(parents=True, exist_ok=True)
     semaphore = asyncio.Semaphore(config.concurrency)
     runner = _Runner(Store(store), config, root)
+    refused: list[GatewayAdminError] = []
     try:
         async with httpx.AsyncClient() as client:
             admin = GatewayAdmin(gateway_url, admin_token, client)
 
-            async def one(problem: Problem, member: int) -> ExecutionOutcome:
+            async def one(problem: Problem, member: int) -> ExecutionOutcome | None:
                 async with semaphore:
-                    return await runner.run(admin, problem, member)
+                    if refused:
+                        return None
+                    try:
+                        outcome = await runner.run(admin, problem, member)
+                    except GatewayAdminError as exc:
+                        if exc.status != 409:
+                            raise
+                        refused.append(exc)
+                        return None
+                if on_outcome is not None:
+                    on_outcome(outcome)
+                return outcome
 
             everyone = list(range(config.group_size))
             jobs = [one(p, m) for p in problems for m in (members or {}).get(p.problem_id, everyone)]
-            return list(await asyncio.gather(*jobs))
+            outcomes = await asyncio.gather(*jobs)
+            if refused:
+                raise refused[0]
+            return [o for o in outcomes if o is not None]
     finally:
         if not config.keep_workspaces:
             shutil.rmtree(runner.side_root, ignore_errors=True)
@@ -255,12 +316,17 @@ class _Runner:
 
     async def run(self, admin: GatewayAdmin, problem: Problem, member: int) -> ExecutionOutcome:
         config = self.config
-        execution_id = execution_id_for(config.step, problem, member)
-        group_id = f"s{config.step}-{problem.problem_id}"
+        execution_id = execution_id_for(config.step, problem, member, config.run_id)
+        group_id = group_id_for(config.step, problem, config.run_id)
         outcome = ExecutionOutcome(execution_id, problem.problem_id, group_id, "error", 0.0, "placeholder")
         started = time.monotonic()
         registration = await admin.register(
-            execution_id, problem, group_id, config.step, self.harness_name, config.campaign
+            execution_id,
+            problem_id=problem.problem_id,
+            group_id=group_id,
+            step=config.step,
+            harness=self.harness_name,
+            campaign=config.campaign,
         )
         try:
             await self._execute(problem, execution_id, registration, outcome)
@@ -269,7 +335,14 @@ class _Runner:
             outcome.status, outcome.reward, outcome.reward_source = "error", 0.0, "placeholder"
             outcome.error = f"{type(exc).__name__}: {exc}"
         outcome.duration_s = time.monotonic() - started
-        await admin.finish(outcome)
+        finished = await admin.finish(
+            execution_id,
+            outcome.status,
+            reward=outcome.reward,
+            reward_source=outcome.reward_source,
+            snapshot_uri=outcome.snapshot_uri,
+        )
+        outcome.calls = max(outcome.calls, int(finished.get("calls") or 0))
         return outcome
 
     async def _execute(self, problem, execution_id, registration, outcome: ExecutionOutcome) -> None:

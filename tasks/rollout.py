@@ -1,20 +1,29 @@
-"""Prefect tasks over agent executions: choose problems, run them against a gateway, summarize.
+"""Agent executions against a gateway: choose problems, run them, summarize.
 
-``rollout_executions`` is the unit a campaign step calls: it dispatches ``group_size`` executions of
-each problem (environments.dispatch) against a running gateway and returns one outcome per
-execution. It is retry-safe: execution ids derive from (step, problem, member), the gateway refuses
-nothing on a re-registration, and finishing an execution again rewrites the same record key.
+``run_rollout`` dispatches ``group_size`` executions of each problem (environments.dispatch) against a
+running gateway and returns one outcome per execution, calling ``on_outcome`` as each one finishes;
+`gyre rollout`, `gyre model sft|eval` and the rollout benchmark use it. ``rollout_executions`` wraps
+it as a Prefect task (JSON in, JSON out: Prefect may run it in another process). Execution ids derive
+from (step, problem, member) and DispatchConfig.run_id; the gateway refuses (409) to register an id it
+has already finished, so a retry must dispatch only what did not finish (dispatch's ``members``).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 from prefect import task
 
-from environments.dispatch import DispatchConfig, DurationProfile, ExecutionOutcome, dispatch
+from environments.dispatch import (
+    DispatchConfig,
+    DurationProfile,
+    ExecutionOutcome,
+    GatewayAdminError,
+    dispatch,
+)
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate, read_folder
 from trajectory_store.storage import StoreConfig
@@ -22,6 +31,7 @@ from trajectory_store.storage import StoreConfig
 __all__ = [
     "DispatchConfig",
     "DurationProfile",
+    "GatewayAdminError",
     "HarnessConfig",
     "choose_problems",
     "rollout_executions",
@@ -55,8 +65,9 @@ def run_rollout(
     admin_token: str,
     store: StoreConfig,
     config: DispatchConfig,
+    on_outcome: Callable[[ExecutionOutcome], None] | None = None,
 ) -> list[ExecutionOutcome]:
-    return asyncio.run(dispatch(problems, gateway_url, admin_token, store, config))
+    return asyncio.run(dispatch(problems, gateway_url, admin_token, store, config, on_outcome=on_outcome))
 
 
 @task(name="rollout-executions", task_run_name="roll out {n_problems} problems at step {step}")

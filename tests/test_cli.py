@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from cli.main import main
 from trajectory_store.schema import context_hash
+from trajectory_store.storage import Store
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
 STATS_FIELDS = (
@@ -223,3 +225,104 @@ def test_every_option_of_every_command_has_help_and_names_its_default(capsys):
         text = parser.formatter_class(prog="gyre")._expand_help(action) if action.help else ""
         flag = action.nargs == 0 or action.required
         assert flag or "default" in text or "required" in text, where
+
+
+def test_execution_register_and_finish_speak_the_gateways_admin_api(tmp_path, cli_env, capsys):
+    from tests.scripted_engine import scripted_stack
+    from tests.test_gateway_fixtures import ADMIN_TOKEN
+
+    with scripted_stack(str(tmp_path), lambda text: "hello there") as stack:
+        gateway = ["--gateway", stack.url, "--admin-token", ADMIN_TOKEN]
+        assert main(["execution", "register", "--problem-id", "p-1", "--step", "2", *gateway]) == 0
+        out = capsys.readouterr().out
+        execution_id = re.search(r"registered execution (\S+) at step 2", out).group(1)
+        base_url = re.search(r"base_url  (\S+)", out).group(1)
+        api_key = re.search(r"api_key   (\S+)", out).group(1)
+        client = stack.client({"base_url": base_url, "api_key": api_key})
+        answer = client.chat.completions.create(
+            model="gyre-policy", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        assert answer.choices[0].message.content == "hello there"
+
+        assert (
+            main(["execution", "finish", execution_id, "--status", "completed", "--reward", "1", *gateway])
+            == 0
+        )
+        finished = capsys.readouterr().out
+        again = main(
+            ["execution", "finish", execution_id, "--status", "completed", "--reward", "1", *gateway]
+        )
+        refused = capsys.readouterr().err
+        assert main(["execution", "register", "--execution-id", execution_id, *gateway]) == 2
+        conflict = capsys.readouterr().err
+        assert main(["execution", "register", "--format", "env", *gateway]) == 0
+        exports = capsys.readouterr().out
+        calls = stack.calls(execution_id)
+        executions = Store(stack.store_config).read_table("executions").to_pylist()
+
+    store = stack.store_config
+    assert (
+        f"finished execution {execution_id} (completed, reward 1): 1 calls; recorded to {store.data_root}"
+        in finished
+    )
+    assert f"(campaign {store.campaign}, step 2)" in finished
+    assert [row["step"] for row, _ in calls] == [2]
+    (row,) = [e for e in executions if e["execution_id"] == execution_id]
+    assert (row["problem_id"], row["harness"], row["reward"], row["status"]) == (
+        "p-1",
+        "external",
+        1.0,
+        "completed",
+    )
+    assert again == 2 and refused.startswith("gyre: error: ") and "Traceback" not in refused
+    assert "409" in conflict and "already finished" in conflict
+    assert [line.split("=")[0] for line in exports.splitlines()] == [
+        "export GYRE_EXECUTION_ID",
+        "export OPENAI_BASE_URL",
+        "export OPENAI_API_KEY",
+    ]
+
+
+def test_gyre_rollout_twice_on_one_gateway_records_both_runs_and_a_reused_run_id_is_one_error_line(
+    tmp_path, cli_env, capsys
+):
+    from tests.scripted_engine import scripted_stack, tool_call
+    from tests.test_gateway_fixtures import ADMIN_TOKEN
+
+    with scripted_stack(str(tmp_path), lambda text: tool_call("finish", summary="done")) as stack:
+        store = stack.store_config
+        command = ["rollout", "--suite", "terminal", "--n", "2", "--timeout", "60", "--gateway", stack.url]
+        command += [
+            "--admin-token",
+            ADMIN_TOKEN,
+            "--data-root",
+            store.data_root,
+            "--campaign",
+            store.campaign,
+        ]
+        assert main(command) == 0
+        first = capsys.readouterr().out
+        assert main(command) == 0
+        second = capsys.readouterr().out
+        assert main([*command, "--run-id", "fixed"]) == 0
+        capsys.readouterr()
+        try:
+            code = main([*command, "--run-id", "fixed"])
+        except Exception as error:  # a traceback is what the user would see
+            pytest.fail(f"a rerun raised {type(error).__name__}: {error}")
+        rerun = capsys.readouterr()
+        executions = Store(store).read_table("executions")["execution_id"].to_pylist()
+
+    rows = [
+        [line.split()[0] for line in out.splitlines() if line.startswith("s0-terminal-")]
+        for out in (first, second)
+    ]
+    assert all(len(ids) == 2 for ids in rows) and not set(rows[0]) & set(rows[1])
+    for out in (first, second):
+        assert out.splitlines()[0].split()[:2] == ["execution", "status"]  # the header comes first
+        assert f"recorded to {store.data_root} (campaign {store.campaign}, step 0)" in out.splitlines()[-1]
+    fixed = [e for e in executions if e.endswith("-g0-fixed")]
+    assert sorted(executions) == sorted([*rows[0], *rows[1], *fixed]) and len(fixed) == 2
+    assert code == 2 and "Traceback" not in rerun.err
+    (line,) = rerun.err.strip().splitlines()
+    assert line.startswith("gyre: error: ") and "already finished" in line and "--run-id" in line

@@ -219,6 +219,8 @@ class Gateway:
             "record_errors": self.recording.errors,
             "executions": len(self.registry.executions),
             "finished_executions": len(self.registry.finished),
+            "store": {"data_root": self.config.store.data_root, "campaign": self.config.store.campaign},
+            "step": self.config.step,
             "gateway_overhead_ms": timing,
             **self.router.describe(),
         }
