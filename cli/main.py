@@ -42,6 +42,7 @@ from engines.rollout import settings as engine_settings
 if TYPE_CHECKING:
     from flows.demo import DemoSummary
     from tasks.trajectory import CheckSummary
+    from trajectory_store.storage import StoreConfig
 
 VIEWS_HELP = (
     "views: executions, calls, call_prompts, tree_nodes, trajectories, selected_trajectories, training_nodes, "
@@ -291,8 +292,27 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(json.dumps([dict(zip(result.columns, row, strict=True)) for row in result.rows], indent=1))
         else:
             print(render(result.columns, result.rows))
+        if not result.rows:
+            print(f"gyre: {_empty_campaign_hint(store)}", file=sys.stderr)
         return 0
     raise ValueError(f"unknown command {args.command!r}")
+
+
+def _empty_campaign_hint(config: StoreConfig) -> str:
+    """Names the campaigns that do exist under the data root (`make run` writes campaign demo)."""
+    from trajectory_store.storage import Store
+
+    store = Store(config)
+    try:
+        found = store.fs.ls(f"{store.root}/campaigns", detail=False)
+    except FileNotFoundError:
+        found = []
+    names = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in found)
+    others = [name for name in names if name != config.campaign]
+    head = f"campaign {config.campaign!r} under {config.data_root} holds no executions"
+    if not others:
+        return f"{head}, and no other campaign is there"
+    return f"{head}; campaigns there: {', '.join(others)} (give --campaign {others[0]} or set GYRE_CAMPAIGN)"
 
 
 def _check(summary: CheckSummary) -> int:

@@ -227,6 +227,17 @@ def test_every_option_of_every_command_has_help_and_names_its_default(capsys):
         assert flag or "default" in text or "required" in text, where
 
 
+def test_traj_stats_on_an_empty_campaign_names_the_campaigns_that_exist(imported, capsys):
+    data_root = imported[1]
+
+    assert main(["traj", "stats", "--data-root", data_root]) == 0  # campaign 'default': nothing there
+
+    captured = capsys.readouterr()
+    assert "(0 rows)" in captured.out
+    assert "campaign 'default'" in captured.err and "campaigns there: cli" in captured.err
+    assert "--campaign cli" in captured.err
+
+
 def test_execution_register_and_finish_speak_the_gateways_admin_api(tmp_path, cli_env, capsys):
     from tests.scripted_engine import scripted_stack
     from tests.test_gateway_fixtures import ADMIN_TOKEN
