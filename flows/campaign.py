@@ -40,8 +40,9 @@ from tasks.campaign import (
     roll_out,
     serve,
 )
+from tasks.placement import Colocate, Placement
 from tasks.report import campaign_summary, start_progress, step_table, update_progress
-from tasks.services import Colocate, Placement, Services, campaign_services
+from tasks.services import Services, campaign_services
 from tasks.train import TrainStepRequest, train_step
 
 

@@ -161,7 +161,7 @@ def roll_out(
     problems: list[dict[str, Any]], services: Services, store: StoreConfig, config: DispatchConfig, step: int
 ) -> dict[str, Any]:
     """Runs the step's executions against the gateway (graded; timeouts from their snapshots)."""
-    return run_missing(problems, services, store, replace(config, step=step))
+    return run_missing(problems, services, store, replace(config, step=step, campaign=store.campaign))
 
 
 @task(name="evaluate", task_run_name="evaluate version {version}", retries=1, retry_delay_seconds=2)

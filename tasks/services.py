@@ -1,14 +1,13 @@
-"""The services a campaign talks to, and the placement that says which cells serve and which train.
+"""The services a campaign talks to: the rollout engines and the gateway, and how their policy
+version is set.
 
-    with campaign_services("./policy", store, ServingConfig()) as services:   # engines + gateway here
-        phase = Colocate().rollout(services)          # which engines serve this step's rollouts
-        serve_version(services, phase.serving, version=3)
+    with campaign_services("./policy", store, ServingConfig()) as services:   # engines + gateway
+        serve_version(services, services.engine_urls, version=3, path=...)
 
 ``Services`` holds addresses and admin tokens (SecretStr: Prefect records flow parameters, and a
-token shown in the UI would be a leak). ``Placement`` is the seam the elastic scheduler takes over: a
-step asks it which engines serve while executions run and which cells train afterwards; ``Colocate``
-is this issue's answer (every engine serves, then every engine sleeps while the trainer uses the
-whole machine).
+token shown in the UI would be a leak). ``campaign_services`` uses the stack `gyre up` started for the
+same data root and policy when it is healthy (tasks/up.py), and otherwise starts one on loopback for
+the duration of the block.
 """
 
 from __future__ import annotations
@@ -17,25 +16,15 @@ import contextlib
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
 
 import fsspec
 import httpx
 from pydantic import BaseModel, Field, SecretStr
 
 from engines.train.core import default_fast_dir
-from tasks.stack import local_stack
+from tasks.stack import LocalStack, local_stack
+from tasks.up import ServingConfig, UpRecord, running_stack
 from trajectory_store.storage import Store, StoreConfig
-
-
-class ServingConfig(BaseModel):
-    """The processes of a campaign on this machine."""
-
-    engines: int = Field(1, ge=1, description="rollout engine processes")
-    engine_threads: int = Field(1, ge=1, description="torch threads per engine")
-    max_batch_size: int = Field(8, ge=1, description="sequences an engine decodes at once")
-    trainer_threads: int = Field(2, ge=1, description="torch threads of the trainer process")
 
 
 class Services(BaseModel):
@@ -47,51 +36,32 @@ class Services(BaseModel):
     fast_dir: str = Field(description="in-host folder of published weights (what engines load)")
 
 
-@dataclass(frozen=True)
-class Phase:
-    serving: list[str]  # engine URLs awake, taking executions' calls
-    sleeping: list[str]  # engine URLs asleep: their cells train
-    trainer_threads: int
-
-
-class Placement(Protocol):
-    def rollout(self, services: Services, serving: ServingConfig) -> Phase: ...
-
-    def training(self, services: Services, serving: ServingConfig) -> Phase: ...
-
-
-class Colocate:
-    """The whole pool rolls out, then the whole pool trains (engines asleep, their memory freed)."""
-
-    def rollout(self, services: Services, serving: ServingConfig) -> Phase:
-        return Phase(serving=list(services.engine_urls), sleeping=[], trainer_threads=0)
-
-    def training(self, services: Services, serving: ServingConfig) -> Phase:
-        return Phase(serving=[], sleeping=list(services.engine_urls), trainer_threads=serving.trainer_threads)
-
-
 @contextlib.contextmanager
 def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) -> Iterator[Services]:
-    """Starts the engines and the gateway on loopback for the duration of the block."""
+    """The stack `gyre up` runs for this data root and policy (left running), or else engines and a
+    gateway started on loopback for the duration of the block."""
     fast_dir = os.path.join(default_fast_dir(), f"campaign-{store.campaign}-{os.getpid()}")
     os.makedirs(fast_dir, exist_ok=True)
     target = Store(store)
+
+    def services(stack: LocalStack | UpRecord) -> Services:
+        return Services(
+            gateway_url=stack.gateway_url,
+            admin_token=SecretStr(stack.admin_token),
+            engine_urls=stack.engine_urls,
+            engine_admin_token=SecretStr(stack.engine_admin_token),
+            policy_root=target.url(target.campaign_dir),
+            fast_dir=fast_dir,
+        )
+
     try:
-        with local_stack(
-            model,
-            store,
-            engines=serving.engines,
-            threads=serving.engine_threads,
-            max_batch_size=serving.max_batch_size,
-        ) as stack:
-            yield Services(
-                gateway_url=stack.gateway_url,
-                admin_token=SecretStr(stack.admin_token),
-                engine_urls=stack.engine_urls,
-                engine_admin_token=SecretStr(stack.engine_admin_token),
-                policy_root=target.url(target.campaign_dir),
-                fast_dir=fast_dir,
-            )
+        running = running_stack(store.data_root, model)
+        if running is not None:
+            yield services(running)
+            return
+        engines, threads, batch = serving.engines, serving.engine_threads, serving.max_batch_size
+        with local_stack(model, store, engines=engines, threads=threads, max_batch_size=batch) as stack:
+            yield services(stack)
     finally:
         shutil.rmtree(fast_dir, ignore_errors=True)
 

@@ -1,0 +1,289 @@
+"""What `gyre up` starts on loopback and `gyre down` stops, recorded by pid under the data root.
+
+    record = up(data_root, policy, ServingConfig())     # Prefect server + UI, rollout engines, gateway
+    for row in status(data_root): print(row)             # each with its pid, address and health
+    down(data_root)                                       # stops what the record lists, nothing else
+
+The record is ``<state>/services.json`` (mode 0600: it holds the admin tokens), where ``<state>`` is
+``<data_root>/.gyre`` for a local data root and ``~/.gyre/<hash of the URL>`` for an object store;
+each service's log is beside it. ``up`` is idempotent: services of the record that still answer are
+kept, the others are started again. A Prefect server is started only when the caller has none
+(``prefect_api_url`` None: the CLI passes PREFECT_API_URL when it is set). The trainer is not a
+service: every step runs one in a process of its own (engines/train/run.py), so a trainer that dies
+costs one retry of one step and never leaves state behind.
+
+``down`` stops a pid only if its command line is still the one ``up`` started (a pid reused by another
+program is left alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, Field
+
+from engines.gateway.config import EngineSpec, GatewayConfig
+from engines.rollout.config import EngineConfig, EngineServerConfig
+from tasks.stack import free_port
+from trajectory_store.storage import StoreConfig
+
+RECORD = "services.json"
+
+
+class ServiceRecord(BaseModel):
+    name: str  # prefect, engine-0, ..., gateway
+    pid: int
+    url: str  # what answers /health (the Prefect server: its API)
+    marker: str  # a piece of its command line that identifies it
+    log: str
+
+
+class UpRecord(BaseModel):
+    data_root: str
+    policy: str
+    prefect_api_url: str
+    prefect_ui_url: str | None  # None: a server gyre did not start
+    gateway_url: str
+    admin_token: str
+    engine_urls: list[str]
+    engine_admin_token: str
+    services: list[ServiceRecord]
+    started_at: float
+
+
+def state_dir(data_root: str) -> Path:
+    if "://" in data_root and not data_root.startswith("file://"):
+        return Path.home() / ".gyre" / hashlib.sha256(data_root.encode()).hexdigest()[:16]
+    return Path(data_root.removeprefix("file://")).resolve() / ".gyre"
+
+
+def read_record(data_root: str) -> UpRecord | None:
+    path = state_dir(data_root) / RECORD
+    return UpRecord.model_validate_json(path.read_text()) if path.exists() else None
+
+
+def _write_record(data_root: str, record: UpRecord) -> None:
+    path = state_dir(data_root) / RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.touch(mode=0o600)
+    tmp.write_text(record.model_dump_json(indent=1))
+    os.replace(tmp, path)
+
+
+def _alive(service: ServiceRecord) -> bool:
+    try:
+        cmdline = Path(f"/proc/{service.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return service.marker in cmdline
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health", timeout=3).status_code == 200
+    return False
+
+
+def _start(
+    name: str, command: list[str], url: str, marker: str, state: Path, env: dict, stdin: str = ""
+) -> ServiceRecord:
+    """Starts a detached service (its own session, so it outlives `gyre up`) and waits for its health."""
+    log = state / f"{name}.log"
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    with process.stdin:  # type: ignore[union-attr]
+        process.stdin.write(stdin.encode())  # type: ignore[union-attr]
+    deadline = time.monotonic() + 240
+    while not _healthy(url):
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"{name} exited with {process.returncode}; its log: {log}\n{log.read_text()[-1500:]}"
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{name} did not answer {url}/health within 240 s; its log: {log}")
+        time.sleep(0.5)
+    return ServiceRecord(name=name, pid=process.pid, url=url, marker=marker, log=str(log))
+
+
+class ServingConfig(BaseModel):
+    """The processes of a campaign on this machine."""
+
+    engines: int = Field(1, ge=1, description="rollout engine processes")
+    engine_threads: int = Field(1, ge=1, description="torch threads per engine")
+    max_batch_size: int = Field(8, ge=1, description="sequences an engine decodes at once")
+    trainer_threads: int = Field(2, ge=1, description="torch threads of the trainer process")
+
+
+def up(
+    data_root: str,
+    policy: str,
+    serving: ServingConfig,
+    *,
+    prefect_api_url: str | None = None,
+    prefect_port: int = 4200,
+    gateway_port: int = 8200,
+    engine_port: int = 8100,
+) -> UpRecord:
+    """Starts (or keeps) the Prefect server, ``serving.engines`` engines and the gateway for ``policy``."""
+    state = state_dir(data_root)
+    state.mkdir(parents=True, exist_ok=True)
+    old = read_record(data_root)
+    if old and old.policy == policy and all(_alive(s) and _healthy(s.url) for s in old.services):
+        return old
+    if old:
+        down(data_root)
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    services = []
+    try:
+        ui_url = None
+        if prefect_api_url is None:
+            port = prefect_port or free_port()
+            prefect_home = state / "prefect"
+            prefect_env = {
+                **env,
+                "PREFECT_HOME": str(prefect_home),
+                "PREFECT_SERVER_UI_STATIC_DIRECTORY": str(prefect_home / "ui"),
+            }
+            prefect = str(Path(sys.executable).parent / "prefect")
+            command = [
+                prefect,
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--analytics-off",
+            ]
+            prefect_api_url = f"http://127.0.0.1:{port}/api"
+            services.append(_start("prefect", command, prefect_api_url, "server start", state, prefect_env))
+            ui_url = f"http://127.0.0.1:{port}"
+        engine_token, admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+        threads = str(serving.engine_threads)
+        engine_env = {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        engine_urls = []
+        for index in range(serving.engines):
+            config = EngineServerConfig(
+                model=policy,
+                port=engine_port + index if engine_port else free_port(),
+                admin_token=engine_token,
+                engine=EngineConfig(max_batch_size=serving.max_batch_size),
+            )
+            url = f"http://127.0.0.1:{config.port}"
+            command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
+            name = f"engine-{index}"
+            services.append(
+                _start(
+                    name, command, url, "engines.rollout.server", state, engine_env, config.model_dump_json()
+                )
+            )
+            engine_urls.append(url)
+        gateway = GatewayConfig(
+            model=policy,
+            port=gateway_port or free_port(),
+            engines=[EngineSpec(url=url) for url in engine_urls],
+            admin_token=admin_token,
+            engine_admin_token=engine_token,
+            store=StoreConfig(data_root=data_root),
+        )
+        command = [sys.executable, "-m", "engines.gateway", "--config", "-"]
+        services.append(
+            _start(
+                "gateway",
+                command,
+                gateway.base_url(),
+                "engines.gateway",
+                state,
+                env,
+                gateway.model_dump_json(),
+            )
+        )
+    except Exception:
+        _stop(services)
+        raise
+    record = UpRecord(
+        data_root=data_root,
+        policy=policy,
+        prefect_api_url=prefect_api_url,
+        prefect_ui_url=ui_url,
+        gateway_url=gateway.base_url(),
+        admin_token=admin_token,
+        engine_urls=engine_urls,
+        engine_admin_token=engine_token,
+        services=services,
+        started_at=time.time(),
+    )
+    _write_record(data_root, record)
+    return record
+
+
+def _stop(services: list[ServiceRecord]) -> list[str]:
+    stopped = []
+    for service in reversed(services):  # the gateway before its engines, the Prefect server last
+        if not _alive(service):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(service.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while _alive(service) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(service):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.pid, signal.SIGKILL)
+        stopped.append(service.name)
+    return stopped
+
+
+def down(data_root: str) -> list[str]:
+    """Stops the services of the record (those still running what `up` started) and removes it."""
+    record = read_record(data_root)
+    if record is None:
+        return []
+    stopped = _stop(record.services)
+    (state_dir(data_root) / RECORD).unlink(missing_ok=True)
+    return stopped
+
+
+def status(data_root: str) -> list[dict[str, object]]:
+    record = read_record(data_root)
+    if record is None:
+        return []
+    return [
+        {
+            "name": s.name,
+            "pid": s.pid,
+            "url": s.url,
+            "running": _alive(s),
+            "healthy": _healthy(s.url),
+            "log": s.log,
+        }
+        for s in record.services
+    ]
+
+
+def running_stack(data_root: str, policy: str) -> UpRecord | None:
+    """The stack `gyre up` started for this data root and policy, if its engines and gateway answer."""
+    record = read_record(data_root)
+    if record is None or record.policy != policy:
+        return None
+    if not all(_alive(s) and _healthy(s.url) for s in record.services if s.name != "prefect"):
+        return None
+    return record

@@ -1,0 +1,62 @@
+"""`gyre up` / status / down on real processes: a Prefect server with its UI, an engine and the gateway,
+recorded by pid; a campaign uses the running stack; down stops exactly what up started."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tasks.up import ServingConfig, down, read_record, state_dir, status, up
+
+
+@pytest.mark.slow
+def test_up_serves_a_campaign_and_down_stops_only_what_it_started(prefect_harness, tmp_path):
+    from engines.model import ModelConfig, init_model
+    from flows.campaign import campaign
+    from flows.config import CampaignConfig
+
+    policy = str(tmp_path / "policy")
+    init_model(ModelConfig(preset="tiny", seed=0), policy)
+    data_root = str(tmp_path / "data")
+    serving = ServingConfig(trainer_threads=1)
+    record = up(data_root, policy, serving, prefect_port=0, gateway_port=0, engine_port=0)
+    try:
+        assert [s.name for s in record.services] == ["prefect", "engine-0", "gateway"]
+        assert oct((state_dir(data_root) / "services.json").stat().st_mode & 0o777) == "0o600"
+        assert all(row["running"] and row["healthy"] for row in status(data_root))
+        assert httpx.get(record.prefect_ui_url, timeout=10, follow_redirects=True).status_code == 200
+        assert up(data_root, policy, serving, prefect_port=0, gateway_port=0, engine_port=0) == record  # kept
+
+        config = CampaignConfig.model_validate(
+            {
+                "name": "up",
+                "policy": policy,
+                "steps": 1,
+                "store": {"data_root": data_root},
+                "problems": {"suites": ["terminal"], "per_step": 1, "zero_signal": "skip"},
+                "evaluation": {"per_suite": 1},
+                "dispatch": {
+                    "group_size": 2,
+                    "timeout_s": 60,
+                    "durations": {"short_turns": 1, "long_fraction": 0.0},
+                    "harness": {"max_tokens": 16, "max_retries": 0, "max_subagents": 0},
+                },
+                "serving": {"trainer_threads": 1},
+            }
+        )
+        records = campaign(config)
+        assert [r.version for r in records] == [1]
+        # the calls went through the running gateway: its engine's id is in them, and it still runs
+        engine_port = record.engine_urls[0].rsplit(":", 1)[1]
+        from trajectory_store.storage import Store, StoreConfig
+
+        calls = Store(StoreConfig(data_root=data_root, campaign="up")).read_table("calls")
+        assert set(calls.column("engine_id").to_pylist()) == {f"rollout-{engine_port}"}
+        assert all(row["healthy"] for row in status(data_root))
+    finally:
+        stopped = down(data_root)
+    assert stopped == ["gateway", "engine-0", "prefect"]
+    assert read_record(data_root) is None and status(data_root) == []
+    from tasks.up import _alive
+
+    assert not any(_alive(service) for service in record.services)  # each pid gone or another program
