@@ -161,6 +161,8 @@ def up(
                 **env,
                 "PREFECT_HOME": str(prefect_home),
                 "PREFECT_SERVER_UI_STATIC_DIRECTORY": str(prefect_home / "ui"),
+                # the browser asks /ui-settings where the API is: this server, not the default port
+                "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
             }
             prefect = str(Path(sys.executable).parent / "prefect")
             command = [

@@ -1,0 +1,75 @@
+"""The campaign in the Prefect UI, in a real headless browser (Debian's chromium): `gyre up`'s server,
+a one-step campaign reporting to it, then the rendered pages show the campaign run, its step run and
+its artifacts."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import pytest
+
+from bench.ui import campaign_run, page_text
+from tasks.up import down, up
+
+
+def _text(html: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("chromium") is None,
+    reason="LOUD: no chromium on PATH; install Debian's chromium (apt-get install chromium) to run the UI test",
+)
+def test_the_ui_shows_the_campaign_its_step_and_its_artifacts(prefect_harness, tmp_path):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from engines.model import ModelConfig, init_model
+    from flows.config import CampaignConfig
+
+    policy = str(tmp_path / "policy")
+    init_model(ModelConfig(preset="tiny", seed=0), policy)
+    data_root = str(tmp_path / "data")
+    config = CampaignConfig.model_validate(
+        {
+            "name": "uicheck",
+            "policy": policy,
+            "steps": 1,
+            "store": {"data_root": data_root},
+            "problems": {"suites": ["terminal"], "per_step": 1},
+            "evaluation": {"per_suite": 1},
+            "dispatch": {
+                "group_size": 2,
+                "timeout_s": 60,
+                "durations": {"short_turns": 1, "long_fraction": 0.0},
+                "harness": {"max_tokens": 16, "max_retries": 0, "max_subagents": 0},
+            },
+            "serving": {"trainer_threads": 1},
+        }
+    )
+    record = up(data_root, policy, config.serving, prefect_port=0, gateway_port=0, engine_port=0)
+    try:
+        run_id, records = campaign_run(record.prefect_api_url, config)
+        assert len(records) == 1
+        with (
+            temporary_settings({PREFECT_API_URL: record.prefect_api_url}),
+            get_client(sync_client=True) as client,
+        ):
+            step_runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["step 0"]))
+            )
+        assert len(step_runs) == 1
+        time.sleep(2)  # the server writes the last events
+        ui = record.prefect_ui_url
+        campaign_page = _text(page_text(f"{ui}/runs/flow-run/{run_id}"))
+        assert "uicheck" in campaign_page and "Completed" in campaign_page
+        assert "Subflow Runs" in campaign_page and "Artifacts" in campaign_page
+        assert "step 0" in _text(page_text(f"{ui}/runs/flow-run/{step_runs[0].id}"))
+        artifacts = _text(page_text(f"{ui}/artifacts"))
+        assert "uicheck-summary" in artifacts and "uicheck-step-0" in artifacts
+    finally:
+        down(data_root)
