@@ -1,4 +1,5 @@
-# make run  : install (or refresh) .venv, then run the demo flow on the embedded default.
+# make run  : install (or refresh) .venv, then gyre run: the services (gyre up) and the demo campaign.
+# make screenshot : bench/results/ui.png, a campaign in the Prefect UI (headless chromium).
 # make test : install (or refresh) .venv, then lint, check the layer rules and run the tests.
 PY ?= python3
 VENV := .venv
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench clean screenshot browser
 
 install: $(STAMP)
 
@@ -30,11 +31,20 @@ lint: install
 	$(BIN)/ruff format --check .
 	@if [ -f ../shared/tools/check_layers.py ]; then $(BIN)/python ../shared/tools/check_layers.py . && echo "layer rules: ok"; fi
 
-test: lint
+# the UI test drives a real headless browser: Debian's chromium, installed here when it can be
+browser:
+	@command -v chromium >/dev/null || (apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
+	  echo "LOUD: chromium could not be installed; tests/test_ui.py will say it skipped"
+
+test: lint browser
 	$(BIN)/python -m pytest -q
 
 bench: install
 	$(BIN)/gyre bench store
+
+screenshot: install browser
+	$(BIN)/gyre bench ui --out bench/results/ui.png
 
 clean:
 	rm -rf $(VENV) gyre-data .pytest_cache .ruff_cache

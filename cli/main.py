@@ -1,6 +1,9 @@
 """The `gyre` command line (installed as .venv/bin/gyre; `gyre COMMAND --help` lists every option).
 
-    gyre run [--config configs/demo.toml]              the store demo flow (Prefect, ephemeral mode)
+    gyre run [--config configs/demo.toml]              up + the demo campaign (RL from the warm start) + summary
+    gyre up | status | down                            the services on loopback: Prefect server + UI, engines, gateway
+    gyre deploy [--file deployments/prefect.yaml]      register the scheduled campaigns; gyre worker runs them
+    gyre traj demo [--config configs/demo.toml]        the store demo flow (sample trace -> trees -> packed batch)
     gyre traj import FILE.jsonl [--step N]             JSONL interchange -> delta-encoded Parquet
     gyre traj export OUT.jsonl                         the store -> JSONL (full prompts, exact)
     gyre traj stats [--format table|json]              per-execution figures
@@ -17,7 +20,8 @@
     gyre model eval --model DIR                        held-out pass rate and mean reward of a policy
     gyre gateway --model DIR --engine URL [...]        the OpenAI-compatible gateway in front of rollout engines
     gyre engine --model DIR [--port 8100]              one rollout engine's token-id server
-    gyre bench store|train|engine|rollout [--quick]    the benchmarks (figures printed and in bench/results/)
+    gyre bench store|train|engine|rollout|learn [--quick]  the benchmarks (figures printed and in bench/results/)
+    gyre bench ui [--out bench/results/ui.png]         a screenshot of a campaign in the Prefect UI
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
 works, with the standard AWS variables or --s3-endpoint-url) and --campaign NAME (default
@@ -34,7 +38,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cli import agents, executions, settings
+from cli import agents, campaign, executions, settings
 from cli.format import render
 from engines.gateway import settings as gateway_settings
 from engines.rollout import settings as engine_settings
@@ -57,13 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = commands.add_parser("run", help="run the demo flow (import the sample trace, trees, select, pack)")
-    run.add_argument("--config", default="configs/demo.toml", help="campaign config (TOML)")
-    run.add_argument("--data-root", default=None, help="override [store].data_root")
-    run.add_argument("--trace", default=None, help="JSONL trace to import (default: the bundled sample)")
-
     traj = commands.add_parser("traj", help="import, export and summarize trajectories")
     traj_commands = traj.add_subparsers(dest="traj_command", required=True, metavar="SUBCOMMAND")
+    demo = traj_commands.add_parser(
+        "demo", help="the store demo flow: import the sample trace, trees, select, pack (no model)"
+    )
+    demo.add_argument("--config", default="configs/demo.toml", help="campaign config (TOML)")
+    demo.add_argument("--data-root", default=None, help="override [store].data_root")
+    demo.add_argument("--trace", default=None, help="JSONL trace to import (default: the bundled sample)")
     imp = traj_commands.add_parser("import", help="import a JSONL trace (full prompt ids per call)")
     imp.add_argument("file", help="the JSONL trace (one record per line: executions and calls)")
     settings.add_store_options(imp)
@@ -157,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_rollout_parser(commands)
     executions.add_execution_parser(commands)
     agents.add_bench_parser(bench_commands)
+    campaign.add_campaign_parsers(commands, bench_commands)
     _show_defaults(parser)
     return parser
 
@@ -189,6 +195,8 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "run":
+        settings.quiet_prefect()
     settings.configure_prefect(settings.data_root_of(args))
     try:
         return _dispatch(args)
@@ -197,9 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+CAMPAIGN_COMMANDS = {"run", "up", "status", "down", "deploy", "worker"}
+
+
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "run":
-        return _run(args)
+    if args.command in CAMPAIGN_COMMANDS or getattr(args, "bench_command", None) in ("learn", "ui"):
+        return campaign.run_campaign_command(args)
+    if args.command == "traj" and args.traj_command == "demo":
+        return _store_demo(args)
     if args.command == "bench" and args.bench_command == "store":
         from bench.store import main as bench_store
 
@@ -351,7 +364,7 @@ def _model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _store_demo(args: argparse.Namespace) -> int:
     from flows.config import CampaignConfig
     from flows.demo import store_demo
 

@@ -5,6 +5,7 @@ Read here:
     GYRE_CAMPAIGN              the campaign of every command without --campaign (else default)
     GYRE_GATEWAY_URL           the gateway of gyre rollout / gyre execution without --gateway
     GYRE_GATEWAY_ADMIN_TOKEN   its admin token without --admin-token
+    PREFECT_API_URL            a Prefect server to use: gyre up starts none, gyre run / deploy / worker use it
 
 `gyre gateway` and `gyre engine` run a server in this process: their variables (admin tokens, and the
 gateway's GYRE_DATA_ROOT / GYRE_CAMPAIGN) are read by engines/gateway/settings.py and
@@ -44,6 +45,16 @@ def gateway_url() -> str | None:
 
 def gateway_admin_token() -> str | None:
     return os.environ.get("GYRE_GATEWAY_ADMIN_TOKEN") or None
+
+
+def prefect_api_url() -> str | None:
+    return os.environ.get("PREFECT_API_URL") or None
+
+
+def quiet_prefect() -> None:
+    """`gyre run` draws a progress line: Prefect's console shows warnings and errors only (the UI has
+    every log line)."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 
 def add_store_options(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -337,3 +338,41 @@ def test_gyre_rollout_twice_on_one_gateway_records_both_runs_and_a_reused_run_id
     assert code == 2 and "Traceback" not in rerun.err
     (line,) = rerun.err.strip().splitlines()
     assert line.startswith("gyre: error: ") and "already finished" in line and "--run-id" in line
+
+
+@pytest.mark.slow
+def test_gyre_run_starts_the_services_runs_a_campaign_and_gyre_down_stops_them(tmp_path):
+    """As a user runs it: the installed `gyre` program, in its own process."""
+    from engines.model import ModelConfig, init_model
+
+    policy = tmp_path / "policy"
+    init_model(ModelConfig(preset="tiny", seed=0), str(policy))
+    config = tmp_path / "campaign.toml"
+    config.write_text(
+        f'name = "clirun"\npolicy = "{policy}"\nsteps = 1\n[store]\ndata_root = "{tmp_path / "data"}"\n'
+        '[problems]\nsuites = ["terminal"]\nper_step = 1\n[evaluation]\nper_suite = 1\n'
+        "[dispatch]\ngroup_size = 2\ntimeout_s = 60\n[dispatch.durations]\nshort_turns = 1\nlong_fraction = 0.0\n"
+        "[dispatch.harness]\nmax_tokens = 16\nmax_retries = 0\nmax_subagents = 0\n[serving]\ntrainer_threads = 1\n"
+    )
+    gyre = str(Path(sys.executable).parent / "gyre")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [gyre, *args], capture_output=True, text=True, env=env, timeout=900, check=False
+        )
+
+    ports = ["--prefect-port", "0", "--gateway-port", "0", "--engine-port", "0"]
+    try:
+        done = run("run", "--config", str(config), *ports)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.startswith("Prefect UI: http://127.0.0.1:")
+        assert "held-out version 1: pass rate" in done.stdout and "campaign clirun: 1 steps" in done.stdout
+        assert "steps committed" in done.stderr  # the progress line
+        status = run("status", "--config", str(config))
+        assert status.returncode == 0, status.stdout
+        assert all(name in status.stdout for name in ("prefect", "engine-0", "gateway"))
+    finally:
+        down = run("down", "--config", str(config))
+    assert "stopped gateway, engine-0, prefect" in down.stdout
+    assert "no services of gyre up" in run("status", "--config", str(config)).stdout

@@ -1,0 +1,273 @@
+"""The campaign commands of `gyre`: the services, the run, deployments, and the campaign benchmarks.
+
+gyre up [--config configs/demo.toml]       Prefect server + UI, rollout engines, gateway (loopback)
+gyre status                                 each service with its pid, address and health
+gyre down                                   stops what `gyre up` started, nothing else
+gyre run [--config configs/demo.toml]       up + the campaign (progress on stderr) + a summary
+gyre deploy [--file deployments/prefect.yaml]   the scheduled campaigns, on the server
+gyre worker [--pool gyre]                   a process worker that runs them
+gyre bench learn [--quick]                  does the campaign teach the policy (held-out, paired)
+gyre bench ui [--out bench/results/ui.png]  a screenshot of a campaign in the Prefect UI
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+from cli import settings
+from cli.format import render
+
+DEMO_CONFIG = "configs/demo.toml"
+
+
+def add_campaign_parsers(commands, bench_commands) -> None:
+    run = commands.add_parser(
+        "run", help="start the services (gyre up), run the demo campaign and print its summary"
+    )
+    run.add_argument("--config", default=DEMO_CONFIG, help="campaign config (TOML)")
+    run.add_argument("--data-root", default=None, help="override [store].data_root")
+    run.add_argument("--steps", type=int, default=None, help="override steps")
+    run.add_argument("--name", default=None, help="override the campaign's name")
+
+    up = commands.add_parser(
+        "up", help="start a Prefect server (with its UI), the rollout engines and the gateway"
+    )
+    up.add_argument(
+        "--config", default=DEMO_CONFIG, help="campaign config: its policy, [serving] and [store]"
+    )
+    up.add_argument("--data-root", default=None, help="override [store].data_root")
+    for command in (run, up):
+        command.add_argument("--prefect-port", type=int, default=4200, help="0: any free port")
+        command.add_argument("--gateway-port", type=int, default=8200, help="0: any free port")
+        command.add_argument(
+            "--engine-port", type=int, default=8100, help="first engine's port (0: any free port)"
+        )
+    for name, text in (("status", "the services gyre up started, with health"), ("down", "stop them")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--config", default=DEMO_CONFIG, help="campaign config (its [store].data_root)")
+        command.add_argument("--data-root", default=None, help="override [store].data_root")
+
+    deploy = commands.add_parser("deploy", help="register the scheduled campaigns with the Prefect server")
+    deploy.add_argument("--file", default="deployments/prefect.yaml", help="the deployments (prefect.yaml)")
+    deploy.add_argument(
+        "--data-root", default=None, help="whose `gyre up` server to use (without PREFECT_API_URL)"
+    )
+    worker = commands.add_parser("worker", help="run a process worker for the scheduled campaigns")
+    worker.add_argument("--pool", default="gyre", help="the work pool")
+    worker.add_argument(
+        "--data-root", default=None, help="whose `gyre up` server to use (without PREFECT_API_URL)"
+    )
+
+    learn = bench_commands.add_parser(
+        "learn", help="a campaign from the warm start: held-out pass rate before/after"
+    )
+    learn.add_argument("--quick", action="store_true", help="configs/learn-quick.toml (what make run shows)")
+    learn.add_argument("--config", default=None, help="another campaign config")
+    learn.add_argument("--out", default="bench/results/learn.json", help="where the figures go (JSON)")
+    ui = bench_commands.add_parser(
+        "ui", help="a screenshot of a campaign in the Prefect UI (headless chromium)"
+    )
+    ui.add_argument("--out", default="bench/results/ui.png", help="the screenshot (PNG)")
+    ui.add_argument("--config", default=DEMO_CONFIG, help="campaign config of the campaign shown")
+    ui.add_argument("--steps", type=int, default=1, help="steps of that campaign")
+
+
+def _config(args: argparse.Namespace):
+    from flows.config import CampaignConfig
+
+    config = CampaignConfig.from_toml(getattr(args, "config", None) or DEMO_CONFIG)
+    overrides: dict = {}
+    if getattr(args, "data_root", None):
+        overrides["store"] = {"data_root": args.data_root}
+    if getattr(args, "steps", None) is not None:
+        overrides["steps"] = args.steps
+    if getattr(args, "name", None):
+        overrides["name"] = args.name
+    return config.merged(overrides)
+
+
+def _server_url(data_root: str) -> str:
+    from tasks.up import read_record
+
+    url = settings.prefect_api_url()
+    if url:
+        return url
+    record = read_record(data_root)
+    if record is None:
+        raise ValueError(
+            f"no Prefect server: set PREFECT_API_URL, or start one with `gyre up` (data root {data_root})"
+        )
+    return record.prefect_api_url
+
+
+def run_campaign_command(args: argparse.Namespace) -> int:
+    if args.command == "up":
+        return _up(args, quiet=False) and 0
+    if args.command == "status":
+        return _status(_config(args).store.data_root)
+    if args.command == "down":
+        from tasks.up import down
+
+        data_root = _config(args).store.data_root
+        stopped = down(data_root)
+        print(f"stopped {', '.join(stopped)}" if stopped else f"nothing gyre up started runs for {data_root}")
+        return 0
+    if args.command == "run":
+        return _run(args)
+    if args.command == "deploy":
+        return _deploy(args)
+    if args.command == "worker":
+        from deployments.deploy import worker_command
+
+        os.environ["PREFECT_API_URL"] = _server_url(args.data_root or settings.default_data_root())
+        command = worker_command(args.pool)
+        print(f"worker for pool {args.pool} on {os.environ['PREFECT_API_URL']}", file=sys.stderr)
+        os.execv(command[0], command)
+    if args.command == "bench" and args.bench_command == "learn":
+        from bench.learn import main as bench_learn
+
+        return bench_learn(quick=args.quick, out=args.out, config=args.config)
+    if args.command == "bench" and args.bench_command == "ui":
+        from bench.ui import main as bench_ui
+
+        return bench_ui(out=args.out, config_path=args.config, steps=args.steps)
+    raise ValueError(f"unknown command {args.command!r}")
+
+
+def _up(args: argparse.Namespace, quiet: bool):
+    from tasks.up import up
+
+    config = _config(args)
+    ports = {
+        name: getattr(args, name, default)
+        for name, default in (("prefect_port", 4200), ("gateway_port", 8200), ("engine_port", 8100))
+    }
+    record = up(
+        config.store.data_root,
+        config.policy,
+        config.serving,
+        prefect_api_url=settings.prefect_api_url(),
+        **ports,
+    )
+    if not quiet:
+        _status(config.store.data_root)
+        print(
+            f"Prefect UI: {record.prefect_ui_url or record.prefect_api_url}; `gyre down` stops the services"
+        )
+    return record
+
+
+def _status(data_root: str) -> int:
+    from tasks.up import status
+
+    rows = status(data_root)
+    if not rows:
+        print(f"no services of gyre up for {data_root}")
+        return 0
+    columns = ["name", "pid", "url", "running", "healthy", "log"]
+    print(render(columns, [[row[c] for c in columns] for row in rows]))
+    return 0 if all(row["healthy"] for row in rows) else 1
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from deployments.deploy import register
+
+    url = _server_url(args.data_root or settings.default_data_root())
+    with temporary_settings({PREFECT_API_URL: url}):
+        ids = register(args.file)
+    for name, deployment_id in ids.items():
+        print(f"deployed {name} ({deployment_id})")
+    print(f"on {url}; `gyre worker` runs them")
+    return 0
+
+
+class Progress:
+    """One line on stderr, redrawn every few seconds: committed steps and the current step's executions."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.expected = config.problems.per_step * config.dispatch.group_size
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        print(file=sys.stderr)
+
+    def line(self) -> str:
+        from tasks.campaign import committed_steps
+        from trajectory_store.storage import Store, StoreConfig
+
+        store: StoreConfig = self.config.store.model_copy(update={"campaign": self.config.name})
+        done = len(committed_steps(store))
+        steps = self.config.steps
+        rows = Store(store).read_table("executions").to_pylist()
+        current = [r for r in rows if r["step"] == done]
+        rewards = [r["reward"] for r in current if r["reward"] is not None]
+        width = 24
+        filled = int(
+            width * (done + min(len(current), self.expected) / max(self.expected, 1)) / max(steps, 1)
+        )
+        bar = "#" * min(filled, width) + "." * (width - min(filled, width))
+        reward = f", mean reward {sum(rewards) / len(rewards):.2f}" if rewards else ""
+        return f"[{bar}] {done}/{steps} steps committed; step {done}: {len(current)}/{self.expected} executions{reward}"
+
+    def _run(self) -> None:
+        while not self.stop.wait(3):
+            try:
+                print("\r" + self.line().ljust(100), end="", file=sys.stderr, flush=True)
+            except Exception:  # a half-written part is read next time; the bar is only a view
+                continue
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    record = _up(args, quiet=True)
+    print(
+        f"Prefect UI: {record.prefect_ui_url or record.prefect_api_url}/runs  (campaign {config.name})",
+        flush=True,
+    )
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.campaign import campaign
+    from tasks.campaign import committed_evaluations, committed_steps
+
+    started = time.time()
+    with temporary_settings({PREFECT_API_URL: record.prefect_api_url}), Progress(config):
+        campaign(config)
+    store = config.store.model_copy(update={"campaign": config.name})
+    steps = committed_steps(store)
+    columns = [
+        "step",
+        "version",
+        "mean_reward",
+        "pass_rate",
+        "executions",
+        "executions_trained",
+        "tokens_trained",
+        "step_s",
+    ]
+    rows = [[r.step, r.version, *[round(r.metrics.get(c, 0.0), 3) for c in columns[2:]]] for r in steps]
+    print(render(columns, rows))
+    evaluations = committed_evaluations(store)
+    for version, figures in evaluations.items():
+        print(
+            f"held-out version {version}: pass rate {figures.get('pass_rate', 0):.3f}, mean reward {figures.get('mean_reward', 0):.3f}"
+        )
+    print(
+        f"campaign {config.name}: {len(steps)} steps in {(time.time() - started) / 60:.1f} min; data in "
+        f'{config.store.data_root}; `gyre sql --campaign {config.name} "SELECT * FROM metrics"`; '
+        f"UI {record.prefect_ui_url or record.prefect_api_url}; `gyre down` stops the services"
+    )
+    return 0
