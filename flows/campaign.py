@@ -60,21 +60,14 @@ def rl_step(config: CampaignConfig, step: int, services: Services) -> StepRecord
     rollout = placement.rollout(services, config.serving)
     serve(services, rollout.serving, step, config.policy)
     roll_out(choose_problems(config.problems, step), services, store, config.dispatch, step)
-    batch = pack_step(
-        store,
-        config.selection,
-        config.packing,
-        step,
-        config.max_policy_lag,
-        config.problems.zero_signal == "skip",
-    )
-    for round in range(
-        1, config.problems.top_up_rounds + 1 if config.problems.zero_signal == "top_up" else 1
-    ):
+    skip = config.problems.zero_signal != "keep"
+    batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, skip)
+    rounds = config.problems.top_up_rounds if config.problems.zero_signal == "top_up" else 0
+    for round in range(1, rounds + 1):
         if batch.figures.get("executions_zero_signal", 0) == 0:
             break
         roll_out(choose_problems(config.problems, step, round), services, store, config.dispatch, step)
-        batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, False)
+        batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, skip)
     rolled = time.time()
     training = placement.training(services, config.serving)
     free_engines(services, training.sleeping, step)

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 from environments.dispatch import DispatchConfig, dispatch, execution_id_for
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
-from tasks.services import Services, policy_path, serve_version, sleep_engines
+from tasks.services import Services, policy_path, prune_fast_dir, serve_version, sleep_engines
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.parts import naming_bad_parts
@@ -55,10 +55,11 @@ class ProblemsConfig(BaseModel):
         description="step n draws its problems from generator seed seed + n; keep it away from the "
         "held-out evaluation's seed and from the warm start's (0-999 held out, 1000+ trained)",
     )
-    zero_signal: Literal["skip", "top_up"] = Field(
+    zero_signal: Literal["skip", "top_up", "keep"] = Field(
         "skip",
-        description="groups whose rewards are all equal carry no signal: skip them, or top the step up "
-        "with more problems (at most top_up_rounds rounds of per_step problems)",
+        description="groups whose rewards are all equal carry no signal: skip them; top the step up with "
+        "more problems while some group has none (at most top_up_rounds rounds of per_step problems), "
+        "then skip those left; or keep them (advantage 0, they count in the loss's average)",
     )
     top_up_rounds: int = Field(1, ge=0)
 
@@ -244,7 +245,9 @@ def informative_groups(figures: dict[str, float]) -> int:
 @task(name="serve-version", task_run_name="serve version {version}", retries=2, retry_delay_seconds=2)
 def serve(services: Services, engines: list[str], version: int, init_model: str) -> dict[str, str]:
     """The given engines wake (or hot-swap) to ``version``; a no-op for an engine already serving it."""
-    return serve_version(services, engines, version, policy_path(services, version, init_model))
+    done = serve_version(services, engines, version, policy_path(services, version, init_model))
+    prune_fast_dir(services, version)
+    return done
 
 
 @task(name="free-engines", task_run_name="free the engines for step {step}", retries=2)

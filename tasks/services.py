@@ -59,8 +59,9 @@ def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) ->
         if running is not None:
             yield services(running)
             return
-        engines, threads, batch = serving.engines, serving.engine_threads, serving.max_batch_size
-        with local_stack(model, store, engines=engines, threads=threads, max_batch_size=batch) as stack:
+        sizes = {"engines": serving.engines, "threads": serving.engine_threads}
+        sizes |= {"max_batch_size": serving.max_batch_size, "dtype": serving.engine_dtype}
+        with local_stack(model, store, **sizes) as stack:
             yield services(stack)
     finally:
         shutil.rmtree(fast_dir, ignore_errors=True)
@@ -108,3 +109,14 @@ def serve_version(services: Services, engines: list[str], version: int, path: st
 def sleep_engines(services: Services, engines: list[str]) -> None:
     for url in engines:
         _engine(url, services, "POST", "/admin/sleep")
+
+
+def prune_fast_dir(services: Services, version: int) -> None:
+    """Removes in-host weight files of versions older than ``version`` (the engines loaded it; every
+    version stays in object storage)."""
+    for name in os.listdir(services.fast_dir):
+        stem = name.removesuffix(".safetensors")
+        number = stem.rsplit("-v", 1)[-1]
+        if name.endswith(".safetensors") and number.isdigit() and int(number) < version:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(services.fast_dir, name))

@@ -45,6 +45,7 @@ def local_stack(
     threads: int = 1,
     max_batch_size: int = 8,
     step: int = 0,
+    dtype: str = "auto",
 ) -> Iterator[LocalStack]:
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
     its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk."""
@@ -57,7 +58,7 @@ def local_stack(
                 model=model_dir,
                 port=free_port(),
                 admin_token=engine_token,
-                engine=EngineConfig(max_batch_size=max_batch_size),
+                engine=EngineConfig(max_batch_size=max_batch_size, dtype=dtype),
             )  # engine_id None: each engine is rollout-<its port>
             url = f"http://{engine.host}:{engine.port}"
             command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]

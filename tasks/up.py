@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -130,6 +131,11 @@ class ServingConfig(BaseModel):
     engine_threads: int = Field(1, ge=1, description="torch threads per engine")
     max_batch_size: int = Field(8, ge=1, description="sequences an engine decodes at once")
     trainer_threads: int = Field(2, ge=1, description="torch threads of the trainer process")
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="weights and KV dtype of the engines; float32 by default, the trainer's dtype on CPU, so "
+        "behaviour logprobs match what the trainer computes (a bf16 policy file is widened)",
+    )
 
 
 def up(
@@ -187,7 +193,7 @@ def up(
                 model=policy,
                 port=engine_port + index if engine_port else free_port(),
                 admin_token=engine_token,
-                engine=EngineConfig(max_batch_size=serving.max_batch_size),
+                engine=EngineConfig(max_batch_size=serving.max_batch_size, dtype=serving.engine_dtype),
             )
             url = f"http://127.0.0.1:{config.port}"
             command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]

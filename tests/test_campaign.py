@@ -32,7 +32,7 @@ def small_campaign(tmp_path, policy: str, steps: int) -> CampaignConfig:
             "store": {"data_root": str(tmp_path / "data")},
             "packing": {"token_budget": 4096},
             # a random policy earns 0 everywhere: keep zero-signal groups so the trainer has a batch
-            "problems": {"suites": ["terminal"], "per_step": 1, "zero_signal": "top_up", "top_up_rounds": 0},
+            "problems": {"suites": ["terminal"], "per_step": 1, "zero_signal": "keep"},
             "evaluation": {"per_suite": 1},
             "dispatch": {
                 "group_size": 2,
@@ -152,4 +152,5 @@ def test_step_batch_leaves_out_zero_signal_groups_and_stale_executions(store_con
         con, PackingConfig(), 3, trained_version=3, max_policy_lag=2, skip_zero_signal=False
     )
     assert counts["executions_trained"] == 6 and counts["executions_stale"] == 0
+    assert counts["executions_zero_signal"] == 2 and counts["zero_signal_skipped"] == 0
     assert kept.advantages["b0"] == kept.advantages["b1"] == 0.0

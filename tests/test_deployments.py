@@ -106,8 +106,7 @@ token_budget = {budget}
 [problems]
 suites = ["terminal"]
 per_step = 1
-zero_signal = "top_up"
-top_up_rounds = 0
+zero_signal = "keep"
 [evaluation]
 per_suite = 1
 [dispatch]

@@ -33,7 +33,12 @@ def test_up_serves_a_campaign_and_down_stops_only_what_it_started(prefect_harnes
                 "policy": policy,
                 "steps": 1,
                 "store": {"data_root": data_root},
-                "problems": {"suites": ["terminal"], "per_step": 1, "zero_signal": "skip"},
+                "problems": {
+                    "suites": ["terminal"],
+                    "per_step": 1,
+                    "zero_signal": "top_up",
+                    "top_up_rounds": 1,
+                },
                 "evaluation": {"per_suite": 1},
                 "dispatch": {
                     "group_size": 2,
@@ -46,6 +51,11 @@ def test_up_serves_a_campaign_and_down_stops_only_what_it_started(prefect_harnes
         )
         records = campaign(config)
         assert [r.version for r in records] == [1]
+        # a random policy earns 0 everywhere: the step was topped up once, then its groups skipped
+        metrics = records[0].metrics
+        assert metrics["executions"] == 4 and metrics["groups"] == 2
+        assert metrics["executions_zero_signal"] == 4 and metrics["executions_trained"] == 0
+        assert metrics["trained"] == 0.0
         # the calls went through the running gateway: its engine's id is in them, and it still runs
         engine_port = record.engine_urls[0].rsplit(":", 1)[1]
         from trajectory_store.storage import Store, StoreConfig

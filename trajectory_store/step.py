@@ -8,7 +8,7 @@ Two rules decide what is left out before packing (each execution left out is cou
 
 - **Zero signal**: a group whose trainable members all have the same reward carries no signal (its
   group-relative advantages are all 0); with ``skip_zero_signal`` its members are left out, so they
-  do not dilute the per-execution average of the loss.
+  do not dilute the per-execution average of the loss (counted either way).
 - **Staleness**: every trained token carries the policy version that sampled it; an execution with a
   call older than ``trained_version - max_policy_lag`` is left out, so the bound is never exceeded.
 """
@@ -80,18 +80,23 @@ def left_out(
                 f"(max_policy_lag {max_policy_lag})"
             )
     if skip_zero_signal:
-        members = con.execute(
-            """WITH e AS (
-                   SELECT execution_id, coalesce(group_id, problem_id, execution_id) AS grp, reward
-                   FROM executions e JOIN trainable_statuses t ON t.status = e.status
-                   WHERE e.step = ? AND e.reward IS NOT NULL),
-               g AS (SELECT grp FROM e GROUP BY grp HAVING max(reward) - min(reward) <= 1e-12)
-               SELECT execution_id FROM e JOIN g USING (grp)""",
-            [step],
-        ).fetchall()
-        for (execution_id,) in members:
+        for execution_id in zero_signal(con, step):
             reasons.setdefault(execution_id, ZERO_SIGNAL)
     return reasons
+
+
+def zero_signal(con: duckdb.DuckDBPyConnection, step: int) -> list[str]:
+    """Trainable executions of ``step`` whose group's rewards are all equal (all-zero advantages)."""
+    rows = con.execute(
+        """WITH e AS (
+               SELECT execution_id, coalesce(group_id, problem_id, execution_id) AS grp, reward
+               FROM executions e JOIN trainable_statuses t ON t.status = e.status
+               WHERE e.step = ? AND e.reward IS NOT NULL),
+           g AS (SELECT grp FROM e GROUP BY grp HAVING max(reward) - min(reward) <= 1e-12)
+           SELECT execution_id FROM e JOIN g USING (grp) ORDER BY execution_id""",
+        [int(step)],
+    ).fetchall()
+    return [row[0] for row in rows]
 
 
 def step_batch(
@@ -115,7 +120,8 @@ def step_batch(
     skipped = batch.skipped.values()
     counts = {
         "executions_trained": float(len(batch.advantages)),
-        "executions_zero_signal": float(sum(r == ZERO_SIGNAL for r in skipped)),
+        "executions_zero_signal": float(len(zero_signal(con, step))),
+        "zero_signal_skipped": float(skip_zero_signal),
         "executions_stale": float(sum(r.startswith("stale") for r in skipped)),
         "executions_untrainable": float(sum(r.startswith("status") or r == "no reward" for r in skipped)),
         "tokens_trained": float(batch.n_target_tokens),
