@@ -230,17 +230,22 @@ class GatewayAdmin:
         return await self._request("GET", "/admin/stats")
 
 
+SHELL_PREFIXES = {"cd", "export", "env", "exec", "time", "nice", "nohup", "&&", ";", "||"}
+
+
 def harness_name(command: list[str] | None) -> str:
     """What executions.harness records: 'builtin', the program of an external command, or for a
-    ``bash -c '<script>'`` command the script's first program."""
+    ``bash -c '<script>'`` command the script's first program (past ``VAR=value`` words and ``cd DIR &&``)."""
     if command is None:
         return "builtin"
     program = Path(command[0]).name
     if program in ("bash", "sh") and len(command) > 2 and command[1] == "-c":
-        words = command[2].split()
-        first = next((w for w in words if "=" not in w), None)  # skip VAR=value prefixes
-        if first:
-            return Path(first).name
+        words = iter(command[2].replace(";", " ; ").split())
+        for word in words:
+            if word == "cd":
+                next(words, None)  # its folder
+            elif "=" not in word and word not in SHELL_PREFIXES and not word.startswith("-"):
+                return Path(word).name
     return program
 
 

@@ -300,3 +300,14 @@ def test_gyre_rollout_prints_status_reward_and_branches_of_each_execution(tmp_pa
     lines = [line for line in out.splitlines() if line.startswith("s0-terminal-")]
     assert len(lines) == 2 and all(" completed " in line and " final " in line for line in lines)
     assert "2 executions: {'completed': 2}" in out
+
+
+def test_an_external_harness_is_recorded_by_its_program():
+    from environments.dispatch import harness_name
+
+    assert harness_name(None) == "builtin"
+    assert harness_name(["/opt/venv/bin/my-agent", "--base-url", "x"]) == "my-agent"
+    assert harness_name(["bash", "-c", "A=1 B=2 python agent.py"]) == "python"
+    script = "cd {workspace} && MSWEA_CONFIGURED=1 LITELLM_LOCAL_MODEL_COST_MAP=True /tmp/msa/bin/mini -m x"
+    assert harness_name(["bash", "-c", script]) == "mini"
+    assert harness_name(["sh", "-c", "cd /w; export X=1; exec ./run.sh"]) == "run.sh"
