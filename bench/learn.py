@@ -43,10 +43,13 @@ def paired_bootstrap(differences: list[float], resamples: int = 10_000, seed: in
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
-def held_out_results(store, version: int) -> dict[str, float]:
-    """problem id -> reward of the held-out evaluation of ``version``."""
-    rows = Store(store).read_table("executions").to_pylist()
-    return {r["problem_id"]: float(r["reward"] or 0.0) for r in rows if r["step"] == version}
+def held_out_results(store, version: int) -> dict[str, tuple[float, float]]:
+    """problem id -> (pass rate, mean reward) over the held-out evaluation's samples of ``version``."""
+    rows = [r for r in Store(store).read_table("executions").to_pylist() if r["step"] == version]
+    by_problem: dict[str, list[float]] = {}
+    for row in rows:
+        by_problem.setdefault(row["problem_id"], []).append(float(row["reward"] or 0.0))
+    return {p: (sum(r == 1.0 for r in rs) / len(rs), sum(rs) / len(rs)) for p, rs in by_problem.items()}
 
 
 def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> dict[str, Any]:
@@ -57,8 +60,8 @@ def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> di
         raise RuntimeError(
             f"no held-out problem was evaluated both at version 0 and at version {config.steps}"
         )
-    passed_before = [float(before[p] == 1.0) for p in problems]
-    passed_after = [float(after[p] == 1.0) for p in problems]
+    passed_before = [before[p][0] for p in problems]
+    passed_after = [after[p][0] for p in problems]
     low, high = paired_bootstrap([a - b for a, b in zip(passed_after, passed_before, strict=True)])
     steps = [r.metrics for r in records]
     naive = sum(m.get("tokens_naive", 0.0) for m in steps)
@@ -72,10 +75,12 @@ def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> di
         "steps": len(records),
         "executions": int(sum(m.get("executions", 0.0) for m in steps)),
         "held_out_problems": n,
+        "held_out_samples_per_problem": config.evaluation.samples,
+        "held_out_temperature": config.evaluation.temperature,
         "pass_rate_before": round(sum(passed_before) / n, 4),
         "pass_rate_after": round(sum(passed_after) / n, 4),
-        "mean_reward_before": round(sum(before[p] for p in problems) / n, 4),
-        "mean_reward_after": round(sum(after[p] for p in problems) / n, 4),
+        "mean_reward_before": round(sum(before[p][1] for p in problems) / n, 4),
+        "mean_reward_after": round(sum(after[p][1] for p in problems) / n, 4),
         "pass_rate_gain": round((sum(passed_after) - sum(passed_before)) / n, 4),
         "pass_rate_gain_ci95_low": round(low, 4),
         "pass_rate_gain_ci95_high": round(high, 4),

@@ -118,7 +118,7 @@ def _evaluate(config: CampaignConfig, services: Services, version: int) -> dict[
         config.dispatch,
         version,
         config.selection,
-        config.evaluation.temperature,
+        config.evaluation,
     )
     record_evaluation(store, version, figures)
     return figures

@@ -71,6 +71,11 @@ class EvaluationConfig(BaseModel):
     per_suite: int = Field(8, ge=1, description="held-out problems per suite")
     seed: int = Field(0, description="generator seed of the held-out problems")
     temperature: float = Field(0.0, ge=0, description="sampling temperature of the evaluation (0: greedy)")
+    samples: int = Field(
+        1,
+        ge=1,
+        description="executions per held-out problem (more than 1 only makes sense with temperature > 0)",
+    )
 
 
 class StepRecord(BaseModel):
@@ -173,13 +178,18 @@ def evaluate(
     config: DispatchConfig,
     version: int,
     selection: SelectionConfig,
-    temperature: float,
+    evaluation: EvaluationConfig,
 ) -> dict[str, float]:
-    """The held-out evaluation of policy ``version``: one execution per problem at ``temperature``,
-    recorded in the evaluation campaign ``store`` at step ``version`` (never trained on); its figures,
-    per suite too."""
-    harness = replace(config.harness, temperature=temperature)
-    changes = {"step": version, "group_size": 1, "campaign": store.campaign, "harness": harness}
+    """The held-out evaluation of policy ``version``: ``samples`` executions per problem at the
+    evaluation's temperature, recorded in the evaluation campaign ``store`` at step ``version`` (never
+    trained on); its figures, per suite too."""
+    harness = replace(config.harness, temperature=evaluation.temperature)
+    changes = {
+        "step": version,
+        "group_size": evaluation.samples,
+        "campaign": store.campaign,
+        "harness": harness,
+    }
     run_missing(problems, services, store, replace(config, **changes))
     con = connect(Store(store), selection)
     figures = step_figures(con, version)
