@@ -68,6 +68,11 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     learn.add_argument("--quick", action="store_true", help="configs/learn-quick.toml (what make run shows)")
     learn.add_argument("--config", default=None, help="another campaign config")
     learn.add_argument("--out", default="bench/results/learn.json", help="where the figures go (JSON)")
+    learn.add_argument(
+        "--data-root",
+        default=None,
+        help="keep the campaign's data here (default: a temporary folder, removed)",
+    )
     ui = bench_commands.add_parser(
         "ui", help="a screenshot of a campaign in the Prefect UI (headless chromium)"
     )
@@ -130,7 +135,7 @@ def run_campaign_command(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "learn":
         from bench.learn import main as bench_learn
 
-        return bench_learn(quick=args.quick, out=args.out, config=args.config)
+        return bench_learn(quick=args.quick, out=args.out, config=args.config, data_root=args.data_root)
     if args.command == "bench" and args.bench_command == "ui":
         from bench.ui import main as bench_ui
 
