@@ -91,10 +91,9 @@ class Problem:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Problem:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
+        known, unknown = _fields(cls, data)
         if unknown:
-            raise ValueError(f"unknown Problem fields {unknown}; expected some of {sorted(known)}")
+            raise ValueError(f"unknown Problem fields {unknown}; expected some of {known}")
         return cls(**data)
 
     def public(self) -> PublicProblem:
@@ -115,13 +114,16 @@ class PublicProblem:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PublicProblem:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
+        known, unknown = _fields(cls, data)
         if unknown:
-            raise ValueError(
-                f"a harness gets only {sorted(known)} of a problem; this JSON also has {unknown}"
-            )
+            raise ValueError(f"a harness gets only {known} of a problem; this JSON also has {unknown}")
         return cls(**data)
+
+
+def _fields(cls: type, data: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(the dataclass's fields, the keys of ``data`` that are none of them), both sorted."""
+    known = set(cls.__dataclass_fields__)
+    return sorted(known), sorted(set(data) - known)
 
 
 def check_relative_path(path: str, *, what: str) -> None:
