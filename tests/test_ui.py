@@ -12,6 +12,7 @@ import pytest
 
 from bench.ui import campaign_run, page_text
 from tasks.up import down, up
+from tests.campaign_fixtures import tiny_campaign, tiny_policy
 
 
 def _text(html: str) -> str:
@@ -28,29 +29,9 @@ def test_the_ui_shows_the_campaign_its_step_and_its_artifacts(prefect_harness, t
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from engines.model import ModelConfig, init_model
-    from flows.config import CampaignConfig
-
-    policy = str(tmp_path / "policy")
-    init_model(ModelConfig(preset="tiny", seed=0), policy)
+    policy = tiny_policy(tmp_path / "policy")
     data_root = str(tmp_path / "data")
-    config = CampaignConfig.model_validate(
-        {
-            "name": "uicheck",
-            "policy": policy,
-            "steps": 1,
-            "store": {"data_root": data_root},
-            "problems": {"suites": ["terminal"], "per_step": 1},
-            "evaluation": {"per_suite": 1},
-            "dispatch": {
-                "group_size": 2,
-                "timeout_s": 60,
-                "durations": {"short_turns": 1, "long_fraction": 0.0},
-                "harness": {"max_tokens": 16, "max_retries": 0, "max_subagents": 0},
-            },
-            "serving": {"trainer_threads": 1},
-        }
-    )
+    config = tiny_campaign("uicheck", policy, data_root)
     record = up(data_root, policy, config.serving, prefect_port=0, gateway_port=0, engine_port=0)
     try:
         run_id, records = campaign_run(record.prefect_api_url, config)

@@ -7,16 +7,14 @@ import httpx
 import pytest
 
 from tasks.up import ServingConfig, down, read_record, state_dir, status, up
+from tests.campaign_fixtures import tiny_campaign, tiny_policy
 
 
 @pytest.mark.slow
 def test_up_serves_a_campaign_and_down_stops_only_what_it_started(prefect_harness, tmp_path):
-    from engines.model import ModelConfig, init_model
     from flows.campaign import campaign
-    from flows.config import CampaignConfig
 
-    policy = str(tmp_path / "policy")
-    init_model(ModelConfig(preset="tiny", seed=0), policy)
+    policy = tiny_policy(tmp_path / "policy")
     data_root = str(tmp_path / "data")
     serving = ServingConfig(trainer_threads=1)
     record = up(data_root, policy, serving, prefect_port=0, gateway_port=0, engine_port=0)
@@ -27,28 +25,8 @@ def test_up_serves_a_campaign_and_down_stops_only_what_it_started(prefect_harnes
         assert httpx.get(record.prefect_ui_url, timeout=10, follow_redirects=True).status_code == 200
         assert up(data_root, policy, serving, prefect_port=0, gateway_port=0, engine_port=0) == record  # kept
 
-        config = CampaignConfig.model_validate(
-            {
-                "name": "up",
-                "policy": policy,
-                "steps": 1,
-                "store": {"data_root": data_root},
-                "problems": {
-                    "suites": ["terminal"],
-                    "per_step": 1,
-                    "zero_signal": "top_up",
-                    "top_up_rounds": 1,
-                },
-                "evaluation": {"per_suite": 1},
-                "dispatch": {
-                    "group_size": 2,
-                    "timeout_s": 60,
-                    "durations": {"short_turns": 1, "long_fraction": 0.0},
-                    "harness": {"max_tokens": 16, "max_retries": 0, "max_subagents": 0},
-                },
-                "serving": {"trainer_threads": 1},
-            }
-        )
+        problems = {"zero_signal": "top_up", "top_up_rounds": 1}
+        config = tiny_campaign("up", policy, data_root, problems=problems)
         records = campaign(config)
         assert [r.version for r in records] == [1]
         # a random policy earns 0 everywhere: the step was topped up once, then its groups skipped

@@ -1,0 +1,37 @@
+"""A campaign small enough for a test: a tiny random policy, one problem per step, two executions
+of one short turn each, one held-out problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def tiny_policy(folder: Path) -> str:
+    from engines.model import ModelConfig, init_model
+
+    init_model(ModelConfig(preset="tiny", seed=0), str(folder))
+    return str(folder)
+
+
+def tiny_campaign(name: str, policy: str, data_root: str, **overrides: Any):
+    from flows.config import CampaignConfig
+
+    config = CampaignConfig.model_validate(
+        {
+            "name": name,
+            "policy": policy,
+            "steps": 1,
+            "store": {"data_root": data_root},
+            "problems": {"suites": ["terminal"], "per_step": 1},
+            "evaluation": {"per_suite": 1},
+            "dispatch": {
+                "group_size": 2,
+                "timeout_s": 60,
+                "durations": {"short_turns": 1, "long_fraction": 0.0},
+                "harness": {"max_tokens": 16, "max_retries": 0, "max_subagents": 0},
+            },
+            "serving": {"trainer_threads": 1},
+        }
+    )
+    return config.merged(overrides)
