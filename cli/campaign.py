@@ -128,9 +128,10 @@ def run_campaign_command(args: argparse.Namespace) -> int:
     if args.command == "worker":
         from deployments.deploy import worker_command
 
-        os.environ["PREFECT_API_URL"] = _server_url(args.data_root or settings.default_data_root())
+        url = _server_url(args.data_root or settings.default_data_root())
+        settings.use_prefect_server(url)  # the worker process inherits it
         command = worker_command(args.pool)
-        print(f"worker for pool {args.pool} on {os.environ['PREFECT_API_URL']}", file=sys.stderr)
+        print(f"worker for pool {args.pool} on {url}", file=sys.stderr)
         os.execv(command[0], command)
     if args.command == "bench" and args.bench_command == "learn":
         from bench.learn import main as bench_learn

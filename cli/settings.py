@@ -51,6 +51,11 @@ def prefect_api_url() -> str | None:
     return os.environ.get("PREFECT_API_URL") or None
 
 
+def use_prefect_server(url: str) -> None:
+    """`gyre worker` hands the server's address to the Prefect worker it becomes."""
+    os.environ["PREFECT_API_URL"] = url
+
+
 def quiet_prefect() -> None:
     """`gyre run` draws a progress line: Prefect's console shows warnings and errors only (the UI has
     every log line)."""

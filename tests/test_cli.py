@@ -376,3 +376,11 @@ def test_gyre_run_starts_the_services_runs_a_campaign_and_gyre_down_stops_them(t
         down = run("down", "--config", str(config))
     assert "stopped gateway, engine-0, prefect" in down.stdout
     assert "no services of gyre up" in run("status", "--config", str(config)).stdout
+
+
+def test_deploy_and_worker_without_a_server_say_how_to_get_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    for command in (["deploy"], ["worker"]):
+        assert main([*command, "--data-root", str(tmp_path / "nowhere")]) == 2
+        err = capsys.readouterr().err
+        assert "no Prefect server: set PREFECT_API_URL, or start one with `gyre up`" in err
