@@ -25,6 +25,7 @@ from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
 from tasks.campaign import (
+    StepProgress,
     StepRecord,
     choose_problems,
     commit_step,
@@ -53,13 +54,15 @@ def campaign_store(config: CampaignConfig):
 
 
 @flow(name="rl-step", flow_run_name="step {step}")
-def rl_step(config: CampaignConfig, step: int, services: Services) -> StepRecord:
+def rl_step(
+    config: CampaignConfig, step: int, services: Services, progress: StepProgress | None = None
+) -> StepRecord:
     started = time.time()
     placement: Placement = Colocate()
     store, _ = campaign_store(config)
     rollout = placement.rollout(services, config.serving)
     serve(services, rollout.serving, step, config.policy)
-    roll_out(choose_problems(config.problems, step), services, store, config.dispatch, step)
+    roll_out(choose_problems(config.problems, step), services, store, config.dispatch, step, progress)
     skip = config.problems.zero_signal != "keep"
     batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, skip)
     rounds = config.problems.top_up_rounds if config.problems.zero_signal == "top_up" else 0
@@ -139,7 +142,9 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
         logger.info("campaign %s: steps %d to %d", config.name, start, config.steps - 1)
         _evaluate(config, services, start)
         for step in range(start, config.steps):
-            record = rl_step(config, step, services)
+            record = rl_step(
+                config, step, services, StepProgress(artifact_id=progress, total_steps=config.steps)
+            )
             records.append(record)
             prune_checkpoints(store, step, config.keep_checkpoints)
             step_table(config.name, record)

@@ -15,18 +15,25 @@ storage, which a lost Prefect database or another machine would not have):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import io
 import json
+import logging
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Literal
+from uuid import UUID
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
+from prefect.artifacts import update_progress_artifact
 from pydantic import BaseModel, Field
 
-from environments.dispatch import DispatchConfig, dispatch, execution_id_for
+from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch, execution_id_for
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
 from tasks.services import Services, policy_path, prune_fast_dir, serve_version, sleep_engines
@@ -37,6 +44,8 @@ from trajectory_store.processor import batch_to_table
 from trajectory_store.schema import METRICS_SCHEMA, SCHEMA_VERSION
 from trajectory_store.step import step_batch, step_figures
 from trajectory_store.storage import Store, StoreConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DispatchConfig", "EvaluationConfig", "HarnessConfig", "ProblemsConfig", "StepRecord"]
 
@@ -138,7 +147,11 @@ def finished_executions(store: StoreConfig, step: int) -> set[str]:
 
 
 def run_missing(
-    problems: list[dict[str, Any]], services: Services, store: StoreConfig, config: DispatchConfig
+    problems: list[dict[str, Any]],
+    services: Services,
+    store: StoreConfig,
+    config: DispatchConfig,
+    on_outcome: Callable[[ExecutionOutcome], None] | None = None,
 ) -> dict[str, Any]:
     """Dispatches the members of ``problems`` the store does not hold yet; counts both."""
     chosen = [Problem.from_json(p) for p in problems]
@@ -152,7 +165,13 @@ def run_missing(
     if todo:
         outcomes = asyncio.run(
             dispatch(
-                todo, services.gateway_url, services.admin_token.get_secret_value(), store, config, members
+                todo,
+                services.gateway_url,
+                services.admin_token.get_secret_value(),
+                store,
+                config,
+                members,
+                on_outcome,
             )
         )
     return {
@@ -164,10 +183,51 @@ def run_missing(
 
 @task(name="roll-out", task_run_name="roll out step {step}", retries=1, retry_delay_seconds=2)
 def roll_out(
-    problems: list[dict[str, Any]], services: Services, store: StoreConfig, config: DispatchConfig, step: int
+    problems: list[dict[str, Any]],
+    services: Services,
+    store: StoreConfig,
+    config: DispatchConfig,
+    step: int,
+    progress: StepProgress | None = None,
 ) -> dict[str, Any]:
-    """Runs the step's executions against the gateway (graded; timeouts from their snapshots)."""
-    return run_missing(problems, services, store, replace(config, step=step, campaign=store.campaign))
+    """Runs the step's executions against the gateway (graded; timeouts from their snapshots); with
+    ``progress``, the campaign's progress artifact moves as each execution finishes."""
+    config = replace(config, step=step, campaign=store.campaign)
+    if progress is None:
+        return run_missing(problems, services, store, config)
+    expected = len(problems) * config.group_size
+    with progress.reporter(step, expected) as report:
+        return run_missing(problems, services, store, config, report)
+
+
+class StepProgress(BaseModel):
+    """The campaign's progress artifact, moved by each finished execution of a step."""
+
+    artifact_id: UUID
+    total_steps: int
+
+    @contextlib.contextmanager
+    def reporter(self, step: int, expected: int) -> Iterator[Callable[[ExecutionOutcome], None]]:
+        """A callback for dispatch. The artifact is updated on a thread of its own (dispatch's event
+        loop is running) with the caller's Prefect context (its API URL); a failed update is logged,
+        never raised: progress is a view."""
+        context = contextvars.copy_context()
+        finished = 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-progress") as pool:
+
+            def update(value: float) -> None:
+                try:
+                    update_progress_artifact(self.artifact_id, value)
+                except Exception:
+                    logger.warning("the progress artifact could not be updated", exc_info=True)
+
+            def report(outcome: ExecutionOutcome) -> None:
+                nonlocal finished
+                finished += 1
+                value = 100.0 * (step + min(finished, expected) / max(expected, 1)) / max(self.total_steps, 1)
+                pool.submit(context.copy().run, update, value)
+
+            yield report
 
 
 @task(name="evaluate", task_run_name="evaluate version {version}", retries=1, retry_delay_seconds=2)

@@ -154,3 +154,28 @@ def test_step_batch_leaves_out_zero_signal_groups_and_stale_executions(store_con
     assert counts["executions_trained"] == 6 and counts["executions_stale"] == 0
     assert counts["executions_zero_signal"] == 2 and counts["zero_signal_skipped"] == 0
     assert kept.advantages["b0"] == kept.advantages["b1"] == 0.0
+
+
+def test_step_progress_moves_the_artifact_as_executions_finish(prefect_harness):
+    from prefect import flow
+    from prefect.artifacts import Artifact, create_progress_artifact
+
+    from environments.dispatch import ExecutionOutcome
+    from tasks.campaign import StepProgress
+
+    seen = []
+
+    @flow
+    def a_step() -> None:
+        artifact = create_progress_artifact(0.0, key="progress-test")
+        progress = StepProgress(artifact_id=artifact, total_steps=4)
+        with progress.reporter(step=1, expected=2) as report:
+            report(ExecutionOutcome("e0", "p", "g", "completed", 1.0, "final"))
+        seen.append(Artifact.get("progress-test").data)  # the pool has finished its update
+        with progress.reporter(step=1, expected=2) as report:
+            report(ExecutionOutcome("e1", "p", "g", "completed", 0.0, "final"))
+            report(ExecutionOutcome("e2", "p", "g", "completed", 0.0, "final"))  # more than expected
+        seen.append(Artifact.get("progress-test").data)
+
+    a_step()
+    assert seen == [37.5, 50.0]  # (1 + 1/2) / 4 and (1 + 2/2) / 4, capped at the step's end
