@@ -305,10 +305,6 @@ def pack_step(
     return BatchSummary(uri=target.url(path), n_executions=len(batch.advantages), figures=figures)
 
 
-def informative_groups(figures: dict[str, float]) -> int:
-    return int(figures.get("executions_trained", 0))
-
-
 # -- policy versions -------------------------------------------------------------------------
 
 
