@@ -22,6 +22,7 @@
     gyre engine --model DIR [--port 8100]              one rollout engine's token-id server
     gyre bench store|train|engine|rollout|learn [--quick]  the benchmarks (figures printed and in bench/results/)
     gyre bench ui [--out bench/results/ui.png]         a screenshot of a campaign in the Prefect UI
+    gyre bench schedule [--quick] [--preset NAME]      elastic vs colocate vs async, simulated, against the bound
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
 works, with the standard AWS variables or --s3-endpoint-url) and --campaign NAME (default
@@ -38,7 +39,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cli import agents, campaign, executions, settings
+from cli import agents, campaign, executions, schedule, settings
 from cli.format import render
 from engines.gateway import settings as gateway_settings
 from engines.rollout import settings as engine_settings
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     executions.add_execution_parser(commands)
     agents.add_bench_parser(bench_commands)
     campaign.add_campaign_parsers(commands, bench_commands)
+    schedule.add_schedule_parser(bench_commands)
     _show_defaults(parser)
     return parser
 
@@ -217,6 +219,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.store import main as bench_store
 
         return bench_store(quick=args.quick, out=args.out)
+    if args.command == "bench" and args.bench_command == "schedule":
+        return schedule.run(args)
     if args.command == "bench" and args.bench_command == "train":
         from bench.train import main as bench_train
 

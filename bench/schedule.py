@@ -1,0 +1,120 @@
+"""The scheduling benchmark in simulation: elastic against colocate and a tuned async split.
+
+    gyre bench schedule                          # every preset, 48 steps (a few minutes)
+    gyre bench schedule --quick                  # short campaigns (seconds)
+    gyre bench schedule --preset paper-flagship  # one preset
+    python -m bench.schedule [--quick] [--preset NAME] [--out bench/results/schedule.json]
+
+Every policy runs on the SAME sampled work (one seed per preset) and the same cells
+(sim/presets.py documents each preset's assumptions). Rows:
+- colocate: the whole pool flips between rollout and training (synchronous, lag 0).
+- async: a static split with one step of overlap (lag <= 1). Honest baseline: every split in the
+  preset's `async_splits` is run and the fastest is reported, with its split.
+- elastic: the waterlevel policy with two steps in flight (lag <= 1, as async).
+- elastic-sync: the waterlevel policy with one step in flight (lag 0, as colocate).
+
+Each row reads against its lower bound (sim/run.py `lower_bound`: work over all cells, and the
+chain of longest executions the policy's depth allows). Prints a table and writes JSON:
+presets.<name>.policies.<policy> (figures), presets.<name>.async_split, and per preset
+elastic_over_async, elastic_over_colocate and elastic_sync_over_colocate (makespan ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from scheduler.policy import make_policy
+from sim.presets import PRESETS, Preset, sample_workload
+from sim.run import RunResult, Workload, simulate
+
+DEFAULT_OUT = "bench/results/schedule.json"
+QUICK_STEPS = {"paper-flagship": 4, "cpu-small": 12, "cpu-small-tail": 12}
+HEADER = f"{'policy':<14}{'makespan':>12}{'idle train':>12}{'idle roll':>11}{'switches':>10}{'bound':>12}{'/bound':>8}{'vs coloc':>10}{'vs async':>10}"
+
+
+def _hours_or_s(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 * 3 else f"{seconds:.0f} s"
+
+
+def run_preset(preset: Preset) -> dict:
+    """The four rows of one preset on one sampled workload."""
+    work = sample_workload(preset)
+    rows: dict[str, RunResult] = {"colocate": simulate(preset, make_policy("colocate"), "colocate", 1, work)}
+    tried = {split: _async(preset, work, split) for split in preset.async_splits}
+    best = min(tried, key=lambda split: tried[split].makespan_s)
+    rows["async"] = tried[best]
+    rows["elastic"] = simulate(preset, make_policy("elastic", **preset.elastic), "elastic", 2, work)
+    sync = {**preset.elastic, "depth": 1, "max_policy_lag": 0}
+    rows["elastic-sync"] = simulate(preset, make_policy("elastic", **sync), "elastic-sync", 1, work)
+    colocate, async_ = rows["colocate"].makespan_s, rows["async"].makespan_s
+    return {
+        "steps": preset.steps,
+        "cells": preset.cluster.cells,
+        "devices": preset.cluster.cells * preset.cluster.devices_per_cell,
+        "executions_per_step": preset.executions_per_step,
+        "async_split": {"train_cells": best, "rollout_cells": preset.cluster.cells - best},
+        "async_tried": {str(split): round(result.makespan_s, 1) for split, result in tried.items()},
+        "policies": {name: row.figures() for name, row in rows.items()},
+        "elastic_over_async": round(async_ / rows["elastic"].makespan_s, 4),
+        "elastic_over_colocate": round(colocate / rows["elastic"].makespan_s, 4),
+        "elastic_sync_over_colocate": round(colocate / rows["elastic-sync"].makespan_s, 4),
+    }
+
+
+def _async(preset: Preset, work: Workload, split: int) -> RunResult:
+    return simulate(preset, make_policy("async", train_cells=split), f"async-{split}", 2, work)
+
+
+def print_preset(name: str, figures: dict) -> None:
+    split = figures["async_split"]
+    print(
+        f"\n{name}: {figures['steps']} steps, {figures['cells']} cells ({figures['devices']} devices), "
+        f"{figures['executions_per_step']} executions per step; async split {split['train_cells']} train / "
+        f"{split['rollout_cells']} rollout (best of {', '.join(figures['async_tried'])})"
+    )
+    print(HEADER)
+    policies = figures["policies"]
+    for row in policies.values():
+        print(
+            f"{row['policy']:<14}{_hours_or_s(row['makespan_s']):>12}{row['idle_train']:>12.3f}"
+            f"{row['idle_rollout']:>11.3f}{row['switches']:>10}{_hours_or_s(row['lower_bound_s']):>12}"
+            f"{row['over_lower_bound']:>8.3f}{policies['colocate']['makespan_s'] / row['makespan_s']:>9.2f}x"
+            f"{policies['async']['makespan_s'] / row['makespan_s']:>9.2f}x"
+        )
+    print(
+        f"elastic over async {figures['elastic_over_async']:.3f}x, over colocate "
+        f"{figures['elastic_over_colocate']:.3f}x (elastic-sync over colocate {figures['elastic_sync_over_colocate']:.3f}x)"
+    )
+
+
+def main(quick: bool = False, out: str = DEFAULT_OUT, preset: str | None = None) -> int:
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    names = [preset] if preset else list(PRESETS)
+    started = time.perf_counter()
+    results = {}
+    for name in names:
+        chosen = PRESETS[name]
+        if quick:
+            chosen = dataclasses.replace(chosen, steps=min(chosen.steps, QUICK_STEPS.get(name, 4)))
+        results[name] = run_preset(chosen)
+        print_preset(name, results[name])
+    report = {"quick": quick, "wall_s": round(time.perf_counter() - started, 1), "presets": results}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nwrote {out} ({report['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--preset", choices=list(PRESETS), default=None)
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args()
+    sys.exit(main(args.quick, args.out, args.preset))

@@ -1,0 +1,272 @@
+"""What the simulator runs: the modelled work, engines, trainers and cluster of each preset.
+
+A `Preset` composes small frozen configs (one per modelled part, a docstring under every field)
+and `sample_workload` draws its executions, seeded, so every policy runs on the same work.
+
+Presets (`PRESETS`):
+- `paper-flagship`: shaped like the flagship run of the QwenGyre paper (48 steps, ~700K tokens per
+  rollout, 61% of executions running 4 hours or more, switches 8.5 s to train / 3.5 s back) on
+  2,048 GPUs. The paper does not give the cluster or the model, so these are OUR assumptions:
+  * 256 cells of 8 GPUs (H100/H200 class); a cell hosts one TP8 engine or one trainer replica.
+  * a ~235B-total / ~22B-active MoE policy: decode step latency 12 ms fixed + 0.5 ms per
+    sequence + 20 ns per sequence per context token (batch 1 at 64K context: ~72 tokens/s;
+    batch 8: ~45 tokens/s per session); 8 sessions per engine (KV for ~128K contexts next to the
+    weights); 192 KB of KV per token moved at 25 GB/s when a cell leaves rollout.
+  * training 4,000 tokens/s per cell (500 per GPU: forward + backward + the old-logprob pass at
+    long context), 60 s per optimizer update and weight publication.
+  * a step: 256 problems x 8 executions = 2,048 executions, one per rollout slot of the pool.
+  * executions: turns lognormal per suite (three suites), 400 decoded + 1,150 context tokens per
+    turn, context compressed at 128K; tool gaps lognormal with p50 1.6 s, p90 44 s, p99 ~700 s
+    per turn (the production coding-agent trace in SCHEDULER-NOTES); deadline 12 h (a timed-out
+    execution is graded from its workspace snapshot and trains on what it did).
+- `cpu-small`: four one-thread cells on a 2-core machine, the setup of `gyre bench learn --quick`
+  (12 problems x 4 per step, concurrency 4, six-turn executions of the tiny policy). A FIRST,
+  LOOSE calibration: per-turn decode latency and tool gap chosen so that colocate's step is about
+  78 s, as in bench/results/learn.json (step_s 73-87 s); training 320 tokens/s per cell
+  (bench/results/train.json tree_tokens_per_s), with a small trained share because most groups
+  carry no signal and are skipped (learn.json: 300 of 384 executions zero-signal); switch costs
+  are the issue's goals (2 s / 1 s), not measurements; the two cores are shared by every active
+  cell (`Cluster.shared_cores`). Not validated against a held-out real run yet.
+- `cpu-small-tail`: cpu-small with the heavy tail of bench/results/rollout.json (one execution in
+  six runs 40-70 turns into its 40 s deadline).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One problem suite: how long its executions run and how many tokens they touch."""
+
+    name: str
+    weight: float
+    """Share of a step's problems drawn from this suite."""
+    turns_median: float
+    """Median number of model calls (turns) of one execution."""
+    turns_sigma: float
+    """Lognormal sigma of the number of turns: the heavy tail of execution lengths."""
+    output_tokens_per_turn: float
+    """Tokens decoded per turn."""
+    context_tokens_per_turn: float
+    """Tokens added to the context per turn besides the output (tool results, observations)."""
+    gap_median_s: float
+    """Median tool time after a turn (command, tests, environment)."""
+    gap_sigma: float
+    """Lognormal sigma of one tool gap."""
+    trained_share: float = 1.0
+    """Share of an execution's unique tokens that are trained (zero-signal groups are skipped,
+    selection keeps at most J_max paths)."""
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """A rollout engine in one cell: decode latency against batch size and context length."""
+
+    sessions_per_cell: int
+    """Executions one engine hosts at once (its KV cache at the suite's context lengths)."""
+    latency_fixed_s: float
+    """Seconds per decode step whatever the batch (weights read once per step)."""
+    latency_per_seq_s: float
+    """Seconds added to a decode step per sequence in the batch."""
+    latency_per_ctx_token_s: float
+    """Seconds added to a decode step per sequence per context token (attention reads)."""
+    max_context: int
+    """Context length cap: longer executions compress (summary calls)."""
+    kv_bytes_per_token: float
+    """KV cache bytes per context token: what a migration moves."""
+    migrate_bytes_per_s: float
+    """Bandwidth of a KV migration between engines."""
+    migrate_fixed_s: float = 0.05
+    """Per-session fixed cost of a migration (reroute, handshake)."""
+
+    def latency(self, batch: float, context: float) -> float:
+        """Seconds per decode step of a session decoding with `batch` sequences at `context`."""
+        return self.latency_fixed_s + batch * (
+            self.latency_per_seq_s + self.latency_per_ctx_token_s * context
+        )
+
+
+@dataclass(frozen=True)
+class TrainerModel:
+    """A trainer replica in one cell (the core or a satellite)."""
+
+    tokens_per_s: float
+    """Training tokens per second of one cell (streaming micro-batches)."""
+    update_s: float
+    """Seconds of the optimizer update, weight publication and engine hot-swap after a step."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The pool of cells."""
+
+    cells: int
+    """Cells in the pool; cell 0 is the core."""
+    devices_per_cell: int
+    """Devices (GPUs, or threads on CPU) per cell: idle figures are in device-seconds."""
+    shared_cores: float | None = None
+    """CPU only: cores shared by all active cells; each active cell runs at min(1, cores/active)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A whole simulated campaign: work, machines, switch costs, the controller's tick."""
+
+    name: str
+    steps: int
+    """Optimizer steps of the campaign."""
+    groups_per_step: int
+    """Problems per step (each one group)."""
+    group_size: int
+    """Executions per problem."""
+    suites: tuple[Suite, ...]
+    deadline_s: float
+    """Wall-clock limit of one execution; it then ends as a timeout and trains on what it did."""
+    segments: int
+    """Turns are simulated in this many segments per execution (decode, then tool gap): fewer
+    events, the same totals."""
+    cluster: Cluster
+    engine: EngineModel
+    trainer: TrainerModel
+    to_train_s: float
+    """Seconds for a cell to leave rollout and join training (drain, sleep, weight pull, join)."""
+    to_rollout_s: float
+    """Seconds for a cell to leave training and serve (wake, load weights, register)."""
+    tick_s: float
+    """The controller asks the policy every tick_s seconds."""
+    seed: int = 0
+    elastic: dict[str, float] = field(default_factory=dict)
+    """ElasticConfig fields for this preset (dwell times scale with the step)."""
+    async_splits: tuple[int, ...] = (1,)
+    """Train-cell counts the async baseline is tried with; the best one is reported."""
+
+    @property
+    def executions_per_step(self) -> int:
+        return self.groups_per_step * self.group_size
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sampled executions of a campaign; arrays are [step, execution(, segment)]."""
+
+    decode_tokens: np.ndarray  # [S, E, K] tokens decoded in each segment
+    context: np.ndarray  # [S, E, K] context length while the segment decodes
+    gaps_s: np.ndarray  # [S, E, K] tool time after each segment
+    train_tokens: np.ndarray  # [S, E] tokens trained if the execution completes
+    batch1_s: np.ndarray  # [S, E] duration at batch-1 decode speed, capped by the deadline
+
+
+def _lognormal_sum(rng: np.random.Generator, n: np.ndarray, median: float, sigma: float) -> np.ndarray:
+    """The sum of n lognormal gaps, drawn as one lognormal with the same mean and variance
+    (Fenton-Wilkinson), so millions of turns cost one draw per segment."""
+    mean = median * math.exp(sigma**2 / 2)
+    n = np.maximum(n, 1e-9)
+    s2 = np.log1p((math.exp(sigma**2) - 1) / n)  # relative variance of a sum of n falls as 1/n
+    return np.exp(rng.normal(np.log(n * mean) - s2 / 2, np.sqrt(s2)))
+
+
+def sample_workload(preset: Preset, seed: int | None = None) -> Workload:
+    """Draws every execution of the campaign with one seeded generator (same seed, same work)."""
+    rng = np.random.default_rng(preset.seed if seed is None else seed)
+    shape = (preset.steps, preset.executions_per_step)
+    k = preset.segments
+    weights = np.array([s.weight for s in preset.suites])
+    suite = rng.choice(len(preset.suites), size=shape, p=weights / weights.sum())
+
+    def per_suite(attr: str) -> np.ndarray:
+        return np.array([getattr(s, attr) for s in preset.suites])[suite]
+
+    turns = np.maximum(
+        1.0, np.round(np.exp(rng.normal(np.log(per_suite("turns_median")), per_suite("turns_sigma"))))
+    )
+    per_segment = (turns / k)[..., None] * np.ones(k)
+    out_per_turn = per_suite("output_tokens_per_turn")
+    unique_per_turn = out_per_turn + per_suite("context_tokens_per_turn")
+    decode = per_segment * out_per_turn[..., None]
+    turns_before_middle = np.cumsum(per_segment, axis=-1) - per_segment / 2
+    context = np.minimum(turns_before_middle * unique_per_turn[..., None], preset.engine.max_context)
+    gaps = np.empty_like(decode)
+    for index, s in enumerate(preset.suites):
+        mask = suite == index
+        gaps[mask] = _lognormal_sum(rng, per_segment[mask], s.gap_median_s, s.gap_sigma)
+    train = turns * unique_per_turn * per_suite("trained_share")
+    batch1 = np.minimum((decode * preset.engine.latency(1, context) + gaps).sum(axis=-1), preset.deadline_s)
+    return Workload(decode, context, gaps, train, batch1)
+
+
+GAP_TRACE = {"gap_median_s": 1.6, "gap_sigma": 2.59}  # p50 1.6 s, p90 44 s, p99 ~700 s
+
+PAPER_FLAGSHIP = Preset(
+    name="paper-flagship",
+    steps=48,
+    groups_per_step=256,
+    group_size=8,
+    suites=(
+        Suite("swe", 0.5, 480, 0.5, 350, 900, **GAP_TRACE),
+        Suite("terminal", 0.3, 340, 0.6, 350, 900, **GAP_TRACE),
+        Suite("research", 0.2, 600, 0.5, 350, 900, **GAP_TRACE),
+    ),
+    deadline_s=16 * 3600,
+    segments=4,
+    cluster=Cluster(cells=256, devices_per_cell=8),
+    engine=EngineModel(
+        sessions_per_cell=8,
+        latency_fixed_s=0.012,
+        latency_per_seq_s=0.0005,
+        latency_per_ctx_token_s=2e-8,
+        max_context=131072,
+        kv_bytes_per_token=192 * 1024,
+        migrate_bytes_per_s=25e9,
+    ),
+    trainer=TrainerModel(tokens_per_s=4000, update_s=60),
+    to_train_s=8.5,
+    to_rollout_s=3.5,
+    tick_s=60,
+    elastic={"min_dwell_s": 600},
+    async_splits=(16, 32, 64),
+)
+
+CPU_SMALL = Preset(
+    name="cpu-small",
+    steps=48,
+    groups_per_step=12,
+    group_size=4,
+    suites=(Suite("short", 1.0, 6, 0.25, 96, 150, 0.3, 0.5, trained_share=0.15),),
+    deadline_s=90,
+    segments=3,
+    cluster=Cluster(cells=4, devices_per_cell=1, shared_cores=2),
+    engine=EngineModel(
+        sessions_per_cell=1,
+        latency_fixed_s=0.0035,
+        latency_per_seq_s=0.0005,
+        latency_per_ctx_token_s=1e-7,
+        max_context=32768,
+        kv_bytes_per_token=4096,
+        migrate_bytes_per_s=1e9,
+    ),
+    trainer=TrainerModel(tokens_per_s=320, update_s=2.0),
+    to_train_s=2.0,
+    to_rollout_s=1.0,
+    tick_s=0.5,
+    elastic={"min_dwell_s": 5.0},
+    async_splits=(1, 2),
+)
+
+CPU_SMALL_TAIL = Preset(
+    **{
+        **CPU_SMALL.__dict__,
+        "name": "cpu-small-tail",
+        "deadline_s": 40,
+        "suites": (
+            Suite("short", 5 / 6, 6, 0.25, 96, 150, 0.3, 0.5, trained_share=0.15),
+            Suite("long", 1 / 6, 55, 0.3, 96, 150, 0.3, 0.5, trained_share=0.15),
+        ),
+    }
+)
+
+PRESETS = {p.name: p for p in (PAPER_FLAGSHIP, CPU_SMALL, CPU_SMALL_TAIL)}

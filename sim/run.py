@@ -1,0 +1,542 @@
+"""A discrete-event simulation of a campaign, driving scheduler/policy.py unchanged.
+
+    from sim.presets import PRESETS
+    from sim.run import simulate
+    result = simulate(PRESETS["paper-flagship"], make_policy("elastic"), depth=2)
+
+One heapq event loop over modelled parts (sim/presets.py says what each preset assumes):
+- executions: segments of (decode, tool gap); a segment decodes at the latency of its engine's
+  batch at its context length, fixed when it starts; the deadline ends it as a timeout.
+- engines: `sessions_per_cell` slots each; dispatches and migrations go to the ready engine with
+  the fewest sessions. A cell leaving rollout migrates its sessions (KV bytes / bandwidth; a
+  session in a tool gap migrates during the gap), never interrupting them.
+- training streams: a group's tokens join its step's backlog when its last execution finishes;
+  the ready train cells of the moment drain the oldest untrained step's backlog (a fluid model of
+  micro-batches); the optimizer update follows once the step's batch is complete and trained,
+  and publishes version step + 1.
+- the controller: every `tick_s` it fills a `SchedulerState`, asks the policy and applies the
+  decision (roles, then dispatches), exactly as scheduler/service.py will.
+
+Figures: makespan, idle fraction per role (device-seconds without work over device-seconds in
+the role; a rollout cell works in proportion to the slots it fills, sessions hosted over
+sessions_per_cell, the same unit as the bound's work term; a train cell works while the step
+being trained has micro-batches or its update runs; switching time counts as idle in the role
+being entered), switches, and the lower bound max(work term, chain term) of `lower_bound`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+from scheduler.policy import CellState, Decision, Policy, SchedulerState, StepProgress
+from sim.presets import Preset, Workload, sample_workload
+
+DECODE_END, GAP_END, DEADLINE, SWITCH_DONE, TRAIN_DRAINED, UPDATE_DONE, TICK = range(7)
+STEP_WINDOW = 4  # steps the controller lists in the state (a window of the campaign)
+STALL_FACTOR = 50  # a run past 50x its lower bound is a policy that stopped dispatching
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A lower bound on the makespan and its two terms."""
+
+    work_s: float
+    """(Slot-seconds of all executions at batch-1 speed / sessions per cell + training
+    cell-seconds) over all cells: no policy can keep the pool busier than fully."""
+    chain_s: float
+    """The longest dependency chain: step s cannot start before update s - depth, so the chain
+    sums, over every depth-th step, its longest execution at batch-1 speed and its update."""
+
+    @property
+    def seconds(self) -> float:
+        return max(self.work_s, self.chain_s)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one simulated campaign measured."""
+
+    policy: str
+    makespan_s: float
+    idle_train: float
+    """Idle device-seconds of train cells over their device-seconds in the train role."""
+    idle_rollout: float
+    """Idle device-seconds of rollout cells over their device-seconds in the rollout role."""
+    switches: int
+    migrations: int
+    """Sessions moved between engines."""
+    timeouts: int
+    max_policy_lag: int
+    """Largest step - version at any dispatch (the staleness of trained calls)."""
+    share_over_4h: float
+    """Executions that ran 4 hours or more, as simulated."""
+    bound: Bound
+    events: int
+    wall_s: float
+    """Seconds the simulation itself took."""
+
+    @property
+    def over_bound(self) -> float:
+        return self.makespan_s / self.bound.seconds
+
+    def figures(self) -> dict[str, float | int | str]:
+        """The JSON row of this run."""
+        return {
+            "policy": self.policy,
+            "makespan_s": round(self.makespan_s, 1),
+            "makespan_h": round(self.makespan_s / 3600, 3),
+            "idle_train": round(self.idle_train, 4),
+            "idle_rollout": round(self.idle_rollout, 4),
+            "switches": self.switches,
+            "migrations": self.migrations,
+            "timeouts": self.timeouts,
+            "max_policy_lag": self.max_policy_lag,
+            "share_over_4h": round(self.share_over_4h, 4),
+            "lower_bound_s": round(self.bound.seconds, 1),
+            "bound_work_s": round(self.bound.work_s, 1),
+            "bound_chain_s": round(self.bound.chain_s, 1),
+            "over_lower_bound": round(self.over_bound, 4),
+            "events": self.events,
+            "sim_wall_s": round(self.wall_s, 2),
+        }
+
+
+def lower_bound(preset: Preset, work: Workload, depth: int) -> Bound:
+    """Both terms of SCHEDULER-NOTES' bound for a policy that keeps `depth` steps in flight."""
+    slot_s = float(work.batch1_s.sum()) / preset.engine.sessions_per_cell
+    train_s = (
+        float(work.train_tokens.sum()) / preset.trainer.tokens_per_s + preset.steps * preset.trainer.update_s
+    )
+    longest = work.batch1_s.max(axis=1) + preset.trainer.update_s
+    chain = max(float(longest[r::depth].sum()) for r in range(min(depth, preset.steps)))
+    return Bound(work_s=(slot_s + train_s) / preset.cluster.cells, chain_s=chain)
+
+
+@dataclass(eq=False)
+class _Cell:
+    idx: int
+    cell_id: str
+    core: bool
+    role: str
+    phase: str = "ready"
+    since: float = 0.0
+    hosted: int = 0
+    decoding: int = 0
+    kv_tokens: float = 0.0
+    switch_gen: int = 0
+    mark: float = 0.0  # start of the current role period (accounting)
+    hosted_mark: float = 0.0  # last change of `hosted` (slot-occupancy accounting)
+    sessions: set[_Exec] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Exec:
+    step: int
+    index: int
+    cell: int = -1
+    segment: int = 0
+    decoding: bool = False
+    seg_end: float = 0.0
+    latency: float = 0.0
+    gen: int = 0
+    version: int = 0
+    started: float = 0.0
+    done: bool = False
+
+
+@dataclass
+class _Steps:
+    """Per-step bookkeeping of dispatch, completion and training."""
+
+    dispatched: list[int]
+    finished_groups: list[int]
+    group_left: list[list[int]]
+    group_tokens: list[list[float]]
+    backlog: list[float]
+
+
+@dataclass
+class _Tally:
+    role_s: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "train": 0.0})
+    busy_s: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "train": 0.0})
+    switches: int = 0
+    migrations: int = 0
+    timeouts: int = 0
+    max_lag: int = 0
+    over_4h: int = 0
+    finished: int = 0
+
+
+class Simulation:
+    """One campaign of `preset` under `policy`; `run()` returns its figures."""
+
+    def __init__(self, preset: Preset, policy: Policy, work: Workload | None = None) -> None:
+        self.p = preset
+        self.policy = policy
+        self.work = work if work is not None else sample_workload(preset)
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, object, int]] = []
+        self.seq = 0
+        self.cells = [
+            _Cell(i, f"cell-{i:04d}", i == 0, "train" if i == 0 else "rollout")
+            for i in range(preset.cluster.cells)
+        ]
+        self.by_id = {c.cell_id: c for c in self.cells}
+        self.ready_train = 1
+        self.slots: list[tuple[int, int]] = [(0, c.idx) for c in self.cells if c.role == "rollout"]
+        self.execs = [[_Exec(s, i) for i in range(preset.executions_per_step)] for s in range(preset.steps)]
+        n_groups, size = preset.groups_per_step, preset.group_size
+        self.steps = _Steps(
+            dispatched=[0] * preset.steps,
+            finished_groups=[0] * preset.steps,
+            group_left=[[size] * n_groups for _ in range(preset.steps)],
+            group_tokens=[[0.0] * n_groups for _ in range(preset.steps)],
+            backlog=[0.0] * preset.steps,
+        )
+        self.version = 0
+        self.updating = False
+        self.train_mark = 0.0
+        self.train_gen = 0
+        self.dispatched = 0
+        self.finished = 0
+        self.unfinished_by_version: dict[int, int] = {}
+        self.tally = _Tally()
+        self.makespan = math.nan
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self, name: str, depth: int) -> RunResult:
+        started = time.perf_counter()
+        bound = lower_bound(self.p, self.work, depth)
+        self._push(0.0, TICK)
+        count = 0
+        while self.events and self.version < self.p.steps:
+            when, _, kind, target, gen = heapq.heappop(self.events)
+            if when > STALL_FACTOR * bound.seconds:
+                raise RuntimeError(
+                    f"{name}: no progress by t={when:.0f}s (version {self.version}): the policy stalls"
+                )
+            self.now = when
+            count += 1
+            self._handle(kind, target, gen)
+        self._close_accounts()
+        t = self.tally
+        role, busy = t.role_s, t.busy_s
+        return RunResult(
+            policy=name,
+            makespan_s=self.makespan,
+            idle_train=1 - busy["train"] / role["train"] if role["train"] else 0.0,
+            idle_rollout=1 - busy["rollout"] / role["rollout"] if role["rollout"] else 0.0,
+            switches=t.switches,
+            migrations=t.migrations,
+            timeouts=t.timeouts,
+            max_policy_lag=t.max_lag,
+            share_over_4h=t.over_4h / max(t.finished, 1),
+            bound=bound,
+            events=count,
+            wall_s=time.perf_counter() - started,
+        )
+
+    def _push(self, when: float, kind: int, target: object = None, gen: int = 0) -> None:
+        """Events carry the generation of their target: a rescheduled one leaves a stale copy."""
+        self.seq += 1
+        heapq.heappush(self.events, (when, self.seq, kind, target, gen))
+
+    def _handle(self, kind: int, target: object, gen: int) -> None:
+        if kind == TICK:
+            self._tick()
+        elif kind in (DECODE_END, GAP_END, DEADLINE):
+            assert isinstance(target, _Exec)
+            if target.done or (kind != DEADLINE and target.gen != gen):
+                return
+            if kind == DEADLINE:
+                self._finish(target, timeout=True)
+            elif kind == DECODE_END:
+                self._decode_end(target)
+            else:
+                self._next_segment(target)
+        elif kind == SWITCH_DONE:
+            assert isinstance(target, _Cell)
+            if target.switch_gen == gen:
+                self._switch_done(target)
+        elif kind == TRAIN_DRAINED:
+            if gen == self.train_gen:
+                self._training_changed()
+        elif kind == UPDATE_DONE:
+            self._update_done()
+
+    # ---- the controller -------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        self._advance_training()
+        decision = self.policy.decide(self._state())
+        self._apply(decision)
+        self._training_changed()
+        self._push(self.now + self.p.tick_s, TICK)
+
+    def _state(self) -> SchedulerState:
+        p, s = self.p, self.steps
+        cap_tokens = p.engine.max_context * p.engine.sessions_per_cell
+        cells = tuple(
+            CellState(
+                c.cell_id, c.role, c.core, c.phase, c.since, c.hosted, min(1.0, c.kv_tokens / cap_tokens)
+            )
+            for c in self.cells
+        )
+        window = range(self.version, min(p.steps, self.version + STEP_WINDOW))
+        steps = tuple(
+            StepProgress(i, p.executions_per_step, s.dispatched[i], s.finished_groups[i]) for i in window
+        )
+        live = [v for v, n in self.unfinished_by_version.items() if n > 0]
+        backlog = s.backlog[self.version] if self.version < p.steps else 0.0
+        return SchedulerState(
+            now=self.now,
+            cells=cells,
+            sessions_per_cell=p.engine.sessions_per_cell,
+            dispatched=self.dispatched,
+            finished=self.finished,
+            steps=steps,
+            policy_version=self.version,
+            oldest_behaviour_version=min(live) if live else None,
+            train_backlog_s=backlog / p.trainer.tokens_per_s,
+            switch_to_train_s=p.to_train_s,
+            switch_to_rollout_s=p.to_rollout_s,
+        )
+
+    def _apply(self, decision: Decision) -> None:
+        leaving = []
+        for cell_id, role in decision.roles.items():
+            cell = self.by_id[cell_id]
+            if cell.role == role:
+                continue
+            self._advance_training()
+            if cell.role == "rollout":
+                leaving.append(cell)
+            elif cell.phase == "ready":
+                self.ready_train -= 1
+            self._account(cell)
+            cell.role, cell.phase, cell.since = role, "switching", self.now
+            cell.switch_gen += 1
+            self.tally.switches += 1
+            cost = self.p.to_train_s if role == "train" else self.p.to_rollout_s
+            self._push(self.now + cost, SWITCH_DONE, cell, cell.switch_gen)
+        for cell in leaving:
+            self._migrate_all(cell)
+        for order in decision.dispatch:
+            self._dispatch(order.step, order.executions)
+
+    def _switch_done(self, cell: _Cell) -> None:
+        self._advance_training()
+        self._account(cell)
+        cell.phase = "ready"
+        if cell.role == "rollout":
+            heapq.heappush(self.slots, (cell.hosted, cell.idx))
+        else:
+            self.ready_train += 1
+        self._training_changed()
+
+    def _account(self, cell: _Cell) -> None:
+        """Closes the cell's current role period (switching counts in the role being entered)."""
+        self.tally.role_s[cell.role] += self.now - cell.mark
+        cell.mark = self.now
+
+    # ---- rollout ---------------------------------------------------------------------------------
+
+    def _dispatch(self, step: int, count: int) -> None:
+        s = self.steps
+        self.tally.max_lag = max(self.tally.max_lag, step - self.version)
+        first = s.dispatched[step]
+        if first + count > self.p.executions_per_step:
+            raise RuntimeError(f"the policy dispatched more executions of step {step} than it holds")
+        s.dispatched[step] += count
+        for e in self.execs[step][first : first + count]:
+            e.version, e.started = self.version, self.now
+            self.dispatched += 1
+            self.unfinished_by_version[e.version] = self.unfinished_by_version.get(e.version, 0) + 1
+            self._place(e, self._free_slot())
+            self._push(self.now + self.p.deadline_s, DEADLINE, e)
+            self._start_decode(e, 0.0, float(self.work.decode_tokens[e.step, e.index, 0]))
+
+    def _free_slot(self) -> _Cell:
+        """The ready rollout engine with the fewest sessions (lazy heap of (hosted, cell))."""
+        cap = self.p.engine.sessions_per_cell
+        while self.slots:
+            hosted, idx = heapq.heappop(self.slots)
+            cell = self.cells[idx]
+            if cell.role == "rollout" and cell.phase == "ready" and cell.hosted == hosted and hosted < cap:
+                return cell
+        raise RuntimeError(
+            f"no free rollout slot at t={self.now:.1f}s: the policy dispatched or moved cells beyond the capacity"
+        )
+
+    def _occupancy(self, cell: _Cell) -> None:
+        """Rollout work = slot-seconds used / slots: the share of its sessions a cell hosts."""
+        self.tally.busy_s["rollout"] += (
+            cell.hosted / self.p.engine.sessions_per_cell * (self.now - cell.hosted_mark)
+        )
+        cell.hosted_mark = self.now
+
+    def _place(self, e: _Exec, cell: _Cell) -> None:
+        self._occupancy(cell)
+        cell.hosted += 1
+        cell.sessions.add(e)
+        e.cell = cell.idx
+        cell.kv_tokens += float(self.work.context[e.step, e.index, min(e.segment, self.p.segments - 1)])
+        heapq.heappush(self.slots, (cell.hosted, cell.idx))
+        if len(self.slots) > 8 * len(self.cells) + 1024:
+            self.slots = [(c.hosted, c.idx) for c in self.cells if c.role == "rollout" and c.phase == "ready"]
+            heapq.heapify(self.slots)
+
+    def _unplace(self, e: _Exec) -> _Cell:
+        cell = self.cells[e.cell]
+        self._occupancy(cell)
+        cell.hosted -= 1
+        cell.sessions.discard(e)
+        cell.kv_tokens -= float(self.work.context[e.step, e.index, min(e.segment, self.p.segments - 1)])
+        if e.decoding:
+            cell.decoding -= 1
+            e.decoding = False
+        if cell.role == "rollout" and cell.phase == "ready":
+            heapq.heappush(self.slots, (cell.hosted, cell.idx))
+        e.cell = -1
+        return cell
+
+    def _speed(self) -> float:
+        """CPU presets share cores between the active cells; GPU cells run at full speed."""
+        cores = self.p.cluster.shared_cores
+        if cores is None:
+            return 1.0
+        active = sum(1 for c in self.cells if c.decoding > 0) + (
+            self._train_cells() if self._training() else 0
+        )
+        return min(1.0, cores / max(active, 1))
+
+    def _start_decode(self, e: _Exec, delay: float, tokens: float) -> None:
+        """Decodes `tokens` after `delay` at the latency of the engine's batch as it is now."""
+        cell = self.cells[e.cell]
+        context = float(self.work.context[e.step, e.index, e.segment])
+        e.latency = self.p.engine.latency(cell.decoding + 1, context) / self._speed()
+        cell.decoding += 1
+        e.decoding = True
+        self._schedule(e, self.now + delay + tokens * e.latency, DECODE_END)
+
+    def _schedule(self, e: _Exec, when: float, kind: int) -> None:
+        e.gen += 1
+        e.seg_end = when
+        self._push(when, kind, e, e.gen)
+
+    def _decode_end(self, e: _Exec) -> None:
+        self.cells[e.cell].decoding -= 1
+        e.decoding = False
+        self._schedule(e, self.now + float(self.work.gaps_s[e.step, e.index, e.segment]), GAP_END)
+
+    def _next_segment(self, e: _Exec) -> None:
+        if e.segment + 1 == self.p.segments:
+            self._finish(e, timeout=False)
+            return
+        cell = self.cells[e.cell]
+        w = self.work
+        cell.kv_tokens += float(
+            w.context[e.step, e.index, e.segment + 1] - w.context[e.step, e.index, e.segment]
+        )
+        e.segment += 1
+        self._start_decode(e, 0.0, float(w.decode_tokens[e.step, e.index, e.segment]))
+
+    def _migrate_all(self, cell: _Cell) -> None:
+        """Moves every session of a cell leaving rollout to the engines that stay."""
+        for e in sorted(cell.sessions, key=lambda e: (e.step, e.index)):
+            self._migrate(e)
+
+    def _migrate(self, e: _Exec) -> None:
+        engine = self.p.engine
+        context = float(self.work.context[e.step, e.index, e.segment])
+        move_s = engine.migrate_fixed_s + context * engine.kv_bytes_per_token / engine.migrate_bytes_per_s
+        was_decoding = e.decoding
+        remaining = max(e.seg_end - self.now, 0.0)
+        self._unplace(e)
+        self._place(e, self._free_slot())
+        self.tally.migrations += 1
+        if was_decoding:
+            self._start_decode(e, move_s, remaining / e.latency)
+        else:
+            self._schedule(e, max(e.seg_end, self.now + move_s), GAP_END)  # KV moves during the gap
+
+    def _finish(self, e: _Exec, timeout: bool) -> None:
+        self._unplace(e)
+        e.done = True
+        self.finished += 1
+        self.unfinished_by_version[e.version] -= 1
+        t = self.tally
+        t.finished += 1
+        t.timeouts += timeout
+        t.over_4h += self.now - e.started >= 4 * 3600
+        share = (e.segment + 0.5) / self.p.segments if timeout else 1.0
+        s = self.steps
+        group = e.index // self.p.group_size
+        s.group_tokens[e.step][group] += float(self.work.train_tokens[e.step, e.index]) * share
+        s.group_left[e.step][group] -= 1
+        if s.group_left[e.step][group] == 0:
+            self._advance_training()
+            s.finished_groups[e.step] += 1
+            s.backlog[e.step] += s.group_tokens[e.step][group]
+            self._training_changed()
+
+    # ---- training (fluid micro-batches) ---------------------------------------------------------
+
+    def _train_cells(self) -> int:
+        return self.ready_train
+
+    def _training(self) -> bool:
+        return self.version < self.p.steps and (self.updating or self.steps.backlog[self.version] > 0)
+
+    def _advance_training(self) -> None:
+        """Trains the oldest untrained step's backlog from the last mark to now."""
+        dt = self.now - self.train_mark
+        self.train_mark = self.now
+        if dt <= 0 or not self._training():
+            return
+        cells = self._train_cells()
+        self.tally.busy_s["train"] += cells * dt
+        if not self.updating:
+            rate = cells * self.p.trainer.tokens_per_s * self._speed()
+            self.steps.backlog[self.version] = max(0.0, self.steps.backlog[self.version] - rate * dt)
+
+    def _training_changed(self) -> None:
+        """Reschedules the drain of the backlog, or starts the update once the batch is done."""
+        self._advance_training()
+        if self.updating or self.version >= self.p.steps:
+            return
+        self.train_gen += 1
+        backlog = self.steps.backlog[self.version]
+        if backlog > 1e-6:
+            rate = self._train_cells() * self.p.trainer.tokens_per_s * self._speed()
+            if rate > 0:
+                self._push(self.now + backlog / rate, TRAIN_DRAINED, self.train_gen)
+        elif self.steps.finished_groups[self.version] == self.p.groups_per_step:
+            self.steps.backlog[self.version] = 0.0
+            self.updating = True
+            self._push(self.now + self.p.trainer.update_s, UPDATE_DONE)
+
+    def _update_done(self) -> None:
+        self._advance_training()
+        self.updating = False
+        self.version += 1
+        if self.version == self.p.steps:
+            self.makespan = self.now
+            return
+        self._training_changed()
+
+    def _close_accounts(self) -> None:
+        for cell in self.cells:
+            self._account(cell)
+            self._occupancy(cell)
+
+
+def simulate(
+    preset: Preset, policy: Policy, name: str, depth: int, work: Workload | None = None
+) -> RunResult:
+    """Runs one campaign; `depth` (steps the policy keeps in flight) only sets the chain bound."""
+    return Simulation(preset, policy, work).run(name, depth)
