@@ -62,3 +62,20 @@ def perturb_behaviour(batch: PackedBatch, seed: int) -> None:
         sequence.behaviour_logprobs = np.where(sequence.loss_mask, -np.log(VOCAB) + noise, 0).astype(
             np.float32
         )
+
+
+def chunks_by_execution(batch: PackedBatch, executions_per_chunk: int = 2) -> list[tuple[list, int]]:
+    """The batch's sequences in arrival order, cut into chunks of whole executions, as a streaming
+    producer appends them: [(sequences, executions in them)]; the counts sum to the batch's."""
+    chunks: list[tuple[list, int]] = []
+    seen: list[str] = []
+    for sequence in batch.sequences:
+        new = [e for e in dict.fromkeys(sequence.executions) if e not in seen]
+        if new and (not chunks or chunks[-1][1] >= executions_per_chunk):
+            chunks.append(([], 0))
+        sequences, count = chunks[-1]
+        chunks[-1] = ([*sequences, sequence], count + len(new))
+        seen += new
+    missing = len(batch.advantages) - len(seen)  # executions without a sequence still count
+    chunks[0] = (chunks[0][0], chunks[0][1] + missing)
+    return chunks

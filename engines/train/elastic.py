@@ -1,29 +1,45 @@
-"""Elastic data parallel: satellites join a training step that is already running.
+"""Elastic data parallel: satellites join a training step that is already running, and the step's
+micro-batches may still be arriving (a streaming step).
 
-One step, as the core cell runs it (``ElasticCoordinator.run_step``):
+One step, as the core cell runs it:
 
-1. The core publishes the step's weights to the fast in-host path and opens the step on a
-   long-lived TCPStore: ``meta`` = {version, number of micro-batches, where they and the weights are}.
-2. Everyone (the core is participant 0) claims micro-batches from one atomic counter and adds
-   their gradients to a local flat buffer. A satellite may join at any moment: it takes a
-   participant id, pulls the weights (version-checked), and claims what is left; so everyone
-   finishes together.
-3. When the counter runs out the core waits until every satellite that joined has finished or
-   died (heartbeats). Micro-batches claimed by a dead satellite died with its gradient buffer, so
-   the core computes them again: every micro-batch counts exactly once.
-4. The core names the members (itself + finished satellites); they form a gloo group for this
-   step from the TCPStore plus a PrefixStore and reduce their gradient sums once. If that reduction
-   fails (a member died inside it), the core restores its own sum, recomputes every other
-   member's micro-batches and goes on alone: slower, still exact.
-5. The core applies the summed gradient (CoreTrainer.apply): a new policy version.
+1. ``ElasticCoordinator.open_step`` publishes the step's weights to the fast in-host path and opens
+   the step on a long-lived TCPStore: ``meta`` = {version, weights, normalizer if known, ...} and an
+   empty stream (stream.py has the queue's keys).
+2. A producer appends chunks of micro-batches over time and closes the step with its number of
+   executions; or the core closes it at its deadline with what has arrived. ``run_step`` (the
+   non-streaming step) is a step whose whole batch is one chunk, closed at once.
+3. ``StreamingStep.train``: everyone (the core is participant 0) claims arrived micro-batches one
+   at a time and adds their gradients to a local flat buffer; an idle participant waits for the
+   next arrival. A satellite may join at any moment: it takes a participant id, pulls the weights
+   (version-checked), says it is active and claims what is there; so everyone finishes together.
+   A satellite asked to leave (its cell goes back to rollout) finishes its current micro-batch,
+   writes its gradient sum next to the weights, names it on the store and is gone: the core adds
+   that file, and the cell serves rollouts at once instead of waiting for the reduction.
+4. Once the step is closed and every micro-batch claimed, the core waits until every active
+   satellite has finished, left or died (heartbeats). Micro-batches claimed by a dead satellite died
+   with its buffer, so the core computes them again: every micro-batch counts exactly once.
+5. The core names the members (itself + finished satellites that computed something); they form
+   a gloo group from the TCPStore plus a PrefixStore and reduce their gradient sums once. If that
+   fails (a member died inside it), the core restores its own sum, recomputes every other member's
+   micro-batches and goes on alone: slower, still exact.
+6. The core scales the sum by the normalizer if it was not known at open, and applies it
+   (CoreTrainer.apply): a new policy version. A step closed with no micro-batches makes a new
+   version without an optimizer step, as engines/train/run.py does for an empty batch.
 
-The update equals single-process training on the same batch, whatever the number of satellites
-and whenever they join (up to the order of floating-point additions).
+Exactness. Gradient sums are fp64 (worker.py), so who computed which micro-batch, in what order,
+and whether a sum travelled through gloo or a handoff file does not change the result: a streaming
+step with satellites equals the same streaming step of the core alone bit for bit (in practice).
+One floating-point order differs between a step whose normalizer is known at open (``run_step``:
+each micro-batch's loss is divided by n_executions before its backward, in fp32) and a streaming
+step (the unnormalized fp32 gradients are summed in fp64 and the sum is divided by n_executions
+once): the two updates agree to about 1e-7 relative, not bitwise.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,13 +48,35 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from engines.model.weights import read_weights, save_weights
 from engines.train.core import CoreTrainer
+from engines.train.stream import (
+    ChunkCache,
+    StreamState,
+    append_chunk,
+    claimed,
+    close_stream,
+    open_stream,
+    read_state,
+    step_store,
+    try_claim,
+)
 from engines.train.worker import GradWorker, StepStats
 from trajectory_store.processor import PackedSequence
 
 CORE = 0
+
+__all__ = [
+    "CORE",
+    "ElasticConfig",
+    "ElasticCoordinator",
+    "StepReport",
+    "StreamingStep",
+    "run_satellite",
+    "step_store",
+]
 
 
 @dataclass
@@ -49,6 +87,7 @@ class ElasticConfig:
     dead_after_s: float = 5.0  # a satellite silent for this long is dead
     reduce_timeout_s: float = 60.0  # a gloo reduction that takes longer has failed
     join_timeout_s: float = 600.0  # how long a satellite waits for a step to open
+    poll_s: float = 0.01  # how often an idle participant looks for a new micro-batch (the core: its deadline)
 
 
 @dataclass
@@ -57,13 +96,20 @@ class StepReport:
     version: int  # the policy version after the step
     micro_batches: int
     members: list[int]  # participants whose gradients were reduced (0 = the core)
-    by_participant: dict[int, list[int]]  # micro-batches each member contributed
+    by_participant: dict[int, list[int]]  # micro-batches of each member and each satellite that left
     recomputed: list[int]  # micro-batches the core redid for satellites that died
     dead: list[int]
     stats: StepStats
     grad_norm: float
     reduce_attempts: int
     timings: dict[str, float] = field(default_factory=dict)
+    # what streaming adds
+    n_executions: int = 0  # the loss normalizer the step closed with
+    trained: bool = True  # False: closed with no micro-batches, a new version without an optimizer step
+    closed_by: str = "producer"  # "producer" | "deadline"
+    left: list[int] = field(default_factory=list)  # satellites that left mid-step (sums handed over)
+    arrivals_s: list[float] = field(default_factory=list)  # per micro-batch: seconds after open it arrived
+    wait_s: dict[int, float] = field(default_factory=dict)  # per participant: idle, waiting for arrivals
 
     def metrics(self) -> dict[str, float]:
         s = self.stats
@@ -80,12 +126,12 @@ class StepReport:
             "policy_lag_mean": s.lag_sum / tokens,
             "policy_lag_max": float(s.lag_max),
             "satellites": float(len(self.members) - 1),
+            "satellites_left": float(len(self.left)),
+            "micro_batches": float(self.micro_batches),
+            "last_arrival_s": max(self.arrivals_s, default=0.0),
+            "core_wait_s": self.wait_s.get(CORE, 0.0),
             **{f"{k}_s": v for k, v in self.timings.items()},
         }
-
-
-def step_store(store: dist.Store, step: int) -> dist.Store:
-    return dist.PrefixStore(f"gyre/step{step}/", store)
 
 
 def _has(store: dist.Store, key: str) -> bool:
@@ -114,6 +160,21 @@ def _reduce(
     n = grad.numel()
     merged = StepStats.from_vector(flat[n:].tolist(), float(maxima[0]), int(maxima[1]), stats.micro_batches)
     return flat[:n], merged
+
+
+def _stats_record(stats: StepStats) -> dict:
+    return {
+        "micro_batches": stats.micro_batches,
+        "vector": stats.as_vector(),
+        "ratio_max": stats.ratio_max,
+        "lag_max": stats.lag_max,
+    }
+
+
+def _stats_from_record(record: dict) -> StepStats:
+    return StepStats.from_vector(
+        record["vector"], record["ratio_max"], record["lag_max"], record["micro_batches"]
+    )
 
 
 class _Heartbeat:
@@ -153,6 +214,19 @@ class ElasticCoordinator:
         )
         self.host, self.port = host, self.store.port
 
+    def open_step(
+        self,
+        step: int,
+        *,
+        weights_dir: str,
+        n_executions: int | None = None,
+        deadline_s: float | None = None,
+    ) -> StreamingStep:
+        """Opens a step whose micro-batches will arrive later (``StreamingStep``). ``n_executions``,
+        when known now, is the normalizer (then each micro-batch is divided by it, as run_step
+        does); ``deadline_s`` after opening, the core closes the step with what has arrived."""
+        return StreamingStep(self, step, weights_dir, n_executions, deadline_s)
+
     def run_step(
         self,
         step: int,
@@ -164,85 +238,203 @@ class ElasticCoordinator:
         pace_s: float = 0.0,
         on_micro_batch: Callable[[int], None] | None = None,
     ) -> StepReport:
-        """One elastic step over ``sequences`` (also readable by satellites at ``batch_uri``).
+        """One elastic step over ``sequences`` (also readable by satellites at ``batch_uri``): a
+        streaming step whose batch is one chunk, closed at once.
 
         ``pace_s`` slows the core down per micro-batch (tests and benchmarks use it so that
         satellites have something left to take)."""
+        opened = self.open_step(step, weights_dir=weights_dir, n_executions=n_executions)
+        opened.append(batch_uri, n_executions, sequences=sequences)
+        opened.close(n_executions)
+        return opened.train(pace_s=pace_s, on_micro_batch=on_micro_batch)
+
+    def close(self) -> None:
+        del self.store
+
+
+class StreamingStep:
+    """One open step on the core. Producers append (here, or from another process through
+    stream.StreamProducer at ``address``); ``train`` is the core's share, then the update."""
+
+    def __init__(
+        self,
+        coordinator: ElasticCoordinator,
+        step: int,
+        weights_dir: str,
+        n_executions: int | None,
+        deadline_s: float | None,
+    ):
         started = time.perf_counter()
-        store = step_store(self.store, step)
-        core = self.core
+        self.coordinator, self.config, self.step = coordinator, coordinator.config, step
+        self.store = step_store(coordinator.store, step)
+        if _has(self.store, "meta"):
+            raise ValueError(f"step {step} was already opened on this store")
+        if n_executions is not None and n_executions < 1:
+            raise ValueError(f"a normalizer known at open must be >= 1, got {n_executions}")
+        core = coordinator.core
+        self.normalizer = n_executions  # None: applied to the reduced sum (a streaming step)
         weights_path = f"{weights_dir}/step{step}-v{core.version}.safetensors"
         save_weights(core.engine.module.state_dict(), weights_path, core.version)
         core.sync_worker()
-        worker = core.worker
-        worker.reset()
-        n = len(sequences)
-        store.set(
+        core.worker.reset()
+        self.version = core.version
+        self.cache = ChunkCache()
+        open_stream(self.store)
+        self.opened_at = time.time()
+        self.deadline = None if deadline_s is None else self.opened_at + deadline_s
+        self.store.set(
             "meta",
             json.dumps(
                 {
                     "step": step,
                     "version": core.version,
-                    "micro_batches": n,
                     "n_executions": n_executions,
-                    "batch_uri": batch_uri,
                     "weights": weights_path,
+                    "handoff_dir": weights_dir,
+                    "opened_at": self.opened_at,
                 }
             ),
         )
-        opened = time.perf_counter()
+        self._started = started
+        self._published = time.perf_counter()
+
+    @property
+    def address(self) -> tuple[str, int, int]:
+        """(host, port, step): what a StreamProducer or a satellite needs to reach this step."""
+        return self.coordinator.host, self.coordinator.port, self.step
+
+    def append(
+        self,
+        uri: str,
+        n_executions: int,
+        *,
+        sequences: list[PackedSequence] | None = None,
+        n_sequences: int | None = None,
+        key: str | None = None,
+    ):
+        """Appends the chunk at ``uri``; in-process ``sequences`` spare the core reading it back."""
+        if sequences is None and n_sequences is None:
+            raise ValueError("say how many sequences the chunk holds (n_sequences), or pass them")
+        count = len(sequences) if sequences is not None else n_sequences
+        chunk = append_chunk(self.store, uri, count, n_executions, key)
+        if sequences is not None:
+            self.cache.put(chunk.key, list(sequences))
+        return chunk
+
+    def close(self, n_executions: int | None = None) -> StreamState:
+        return close_stream(self.store, n_executions)
+
+    # -- the core's share -------------------------------------------------------------------------
+    def train(
+        self, *, pace_s: float = 0.0, on_micro_batch: Callable[[int], None] | None = None
+    ) -> StepReport:
+        """Claims micro-batches until the step is closed and drained, then reduces and applies."""
+        try:
+            return self._train(pace_s, on_micro_batch)
+        except BaseException:
+            # release anyone still waiting on this step: no more work, no reduction with them
+            try:
+                close_stream(self.store, by="error")
+                if not _has(self.store, "group/0"):
+                    self.store.set("group/0", json.dumps({"members": [CORE]}))
+            except Exception:
+                pass
+            raise
+
+    def _compute(self, stats: StepStats, state: StreamState, index: int) -> None:
+        worker = self.coordinator.core.worker
+        sequence = self.cache.sequence(state, index)
+        stats.add(worker.accumulate(sequence, self.normalizer, index, self.version))
+
+    def _train(self, pace_s: float, on_micro_batch: Callable[[int], None] | None) -> StepReport:
+        store, core, config = self.store, self.coordinator.core, self.config
+        worker = core.worker
         stats = StepStats()
-        while (index := store.add("claim", 1) - 1) < n:
+        waited = 0.0
+        while True:
+            state = read_state(store)
+            if state.closure is None and self.deadline is not None and time.time() >= self.deadline:
+                state = close_stream(store, by="deadline")
+            index = try_claim(store, CORE, state.total)
+            if index is None:
+                if state.closure is not None:
+                    break
+                idle = time.perf_counter()
+                time.sleep(config.poll_s)
+                waited += time.perf_counter() - idle
+                continue
             store.set(f"owner/{index}", str(CORE))
-            stats.add(worker.accumulate(sequences[index], n_executions, index, core.version))
+            self._compute(stats, state, index)
             if on_micro_batch:
                 on_micro_batch(index)
             if pace_s:
                 time.sleep(pace_s)
-        computed = time.perf_counter()
+        drained = time.perf_counter()
+        closure, n = state.closure, state.total
 
-        finished, dead = self._wait_for_satellites(store)
+        finished, left, dead = self._wait_for_satellites()
         recomputed = []
         for index in range(n):
             owner = int(store.get(f"owner/{index}")) if _has(store, f"owner/{index}") else None
             if owner is None or owner in dead:
-                stats.add(worker.accumulate(sequences[index], n_executions, index, core.version))
+                self._compute(stats, state, index)
                 recomputed.append(index)
-        members = [CORE, *sorted(finished)]
         by_participant = {CORE: list(stats.micro_batches)}
-        for sid in finished:
-            by_participant[sid] = json.loads(store.get(f"finished/{sid}"))["micro_batches"]
+        for sid, record in finished.items():
+            if record["micro_batches"]:
+                by_participant[sid] = record["micro_batches"]
+        members = [CORE, *sorted(sid for sid in finished if finished[sid]["micro_batches"])]
+        for sid, record in sorted(left.items()):  # gradient sums handed over by satellites that left
+            by_participant[sid] = record["micro_batches"]
+            if record["grad"]:
+                worker.grad += load_file(record["grad"])["grad"]
+                os.remove(record["grad"])
+            stats.add(_stats_from_record(record))
         own_grad = worker.grad.clone()
         attempt = 0
         store.set("group/0", json.dumps({"members": members}))
         try:
-            grad, merged = _reduce(
-                store, 0, 0, len(members), worker.grad, stats, self.config.reduce_timeout_s
-            )
+            if len(members) == 1:
+                grad, merged = worker.grad, stats
+            else:
+                grad, merged = _reduce(store, 0, 0, len(members), worker.grad, stats, config.reduce_timeout_s)
         except Exception:
             # a member died inside the reduction: go on alone, redoing every other member's share
             attempt = 1
             worker.grad.copy_(own_grad)
-            for sid in finished:
+            for sid in members[1:]:
                 for index in by_participant.pop(sid):
-                    stats.add(worker.accumulate(sequences[index], n_executions, index, core.version))
+                    self._compute(stats, state, index)
+                    by_participant[CORE].append(index)
                     recomputed.append(index)
-            dead = sorted(set(dead) | set(finished))
+            dead = sorted(set(dead) | set(members[1:]))
             members = [CORE]
-            by_participant[CORE] = list(stats.micro_batches)
             store.set("group/1", json.dumps({"members": members}))
             grad, merged = worker.grad, stats
         reduced = time.perf_counter()
         merged.micro_batches = sorted(i for ids in by_participant.values() for i in ids)
         if merged.micro_batches != list(range(n)):
             raise RuntimeError(
-                f"step {step}: micro-batches used {merged.micro_batches}, expected each of 0..{n - 1} once"
+                f"step {self.step}: micro-batches used {merged.micro_batches}, expected each of 0..{n - 1} once"
             )
-        grad_norm = core.apply(grad)
+        trained = n > 0
+        if trained:
+            if self.normalizer is None:
+                grad = grad / closure.n_executions  # fp64, once, after the sum
+                merged.loss /= closure.n_executions
+            elif closure.n_executions != self.normalizer:  # closed with another count than announced
+                grad = grad * (self.normalizer / closure.n_executions)
+                merged.loss *= self.normalizer / closure.n_executions
+            grad_norm = core.apply(grad)
+        else:  # nothing arrived: the same weights become the next version (engines/train/run.py)
+            core.step += 1
+            core.version += 1
+            grad_norm = 0.0
         store.set("done", str(core.version))
         applied = time.perf_counter()
+        wait_s = {CORE: waited} | {sid: r["wait_s"] for sid, r in (finished | left).items()}
         return StepReport(
-            step=step,
+            step=self.step,
             version=core.version,
             micro_batches=n,
             members=members,
@@ -253,36 +445,58 @@ class ElasticCoordinator:
             grad_norm=grad_norm,
             reduce_attempts=attempt + 1,
             timings={
-                "publish": opened - started,
-                "compute": computed - opened,
-                "wait_and_recompute": reduced - computed,
+                "publish": self._published - self._started,
+                "compute": drained - self._published,
+                "closed_after": closure.t - self.opened_at,
+                "wait_and_recompute": reduced - drained,
                 "apply": applied - reduced,
-                "step": applied - started,
+                "step": applied - self._started,
             },
+            n_executions=closure.n_executions,
+            trained=trained,
+            closed_by=closure.by,
+            left=sorted(left),
+            arrivals_s=[t - self.opened_at for t in state.arrivals()],
+            wait_s=wait_s,
         )
 
-    def _wait_for_satellites(self, store: dist.Store) -> tuple[list[int], list[int]]:
+    def _wait_for_satellites(self) -> tuple[dict[int, dict], dict[int, dict], list[int]]:
+        """Waits until every active satellite has finished, left or died. A satellite that is not
+        active yet (still pulling weights) can own nothing: every micro-batch is claimed already."""
+        store = self.store
         first_seen: dict[int, float] = {}
         while True:
             joined = store.add("joined", 0)
-            finished, dead, waiting = [], [], []
+            finished, left, dead, waiting = {}, {}, [], []
             now = time.time()
             for sid in range(1, joined + 1):
                 if _has(store, f"finished/{sid}"):
-                    finished.append(sid)
-                    continue
-                first_seen.setdefault(sid, now)
-                beat = float(store.get(f"hb/{sid}")) if _has(store, f"hb/{sid}") else first_seen[sid]
-                if now - beat > self.config.dead_after_s:
-                    dead.append(sid)
-                else:
-                    waiting.append(sid)
+                    finished[sid] = json.loads(store.get(f"finished/{sid}"))
+                elif _has(store, f"left/{sid}"):
+                    left[sid] = json.loads(store.get(f"left/{sid}"))
+                elif _has(store, f"active/{sid}"):
+                    first_seen.setdefault(sid, now)
+                    beat = float(store.get(f"hb/{sid}")) if _has(store, f"hb/{sid}") else first_seen[sid]
+                    if now - beat > self.config.dead_after_s:
+                        dead.append(sid)
+                    else:
+                        waiting.append(sid)
             if not waiting:
-                return finished, dead
-            time.sleep(0.01)
+                return finished, left, dead
+            time.sleep(self.config.poll_s)
 
-    def close(self) -> None:
-        del self.store
+
+def _hand_over(
+    store: dist.Store, sid: int, worker: GradWorker, stats: StepStats, meta: dict, wait_s: float
+) -> None:
+    """A leaving satellite's gradient sum goes to a file the core adds (fp64, so still exact)."""
+    path = None
+    if stats.micro_batches:
+        path = os.path.join(meta["handoff_dir"], f"step{meta['step']}-satellite{sid}.grad.safetensors")
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file({"grad": worker.grad}, tmp)
+        os.replace(tmp, path)
+    store.set(f"left/{sid}", json.dumps({**_stats_record(stats), "grad": path, "wait_s": wait_s}))
 
 
 def run_satellite(
@@ -297,12 +511,15 @@ def run_satellite(
     die_after: int | None = None,
     pace_s: float = 0.0,
     ready: Callable[[], None] | None = None,
+    leave: Callable[[], bool] | None = None,
+    leave_after: int | None = None,
 ) -> dict:
-    """A satellite's share of one step. Test and benchmark hooks: ``join_when`` delays joining
-    ("after half the micro-batches"), ``die_after`` ends the process abruptly after that many
-    micro-batches, ``pace_s`` slows each micro-batch down, ``ready`` is called once connected."""
-    import os
+    """A satellite's share of one step. ``leave`` is asked between micro-batches and while idle:
+    True hands the gradient sum over to the core and returns at once (the cell can serve rollouts).
 
+    Test and benchmark hooks: ``join_when`` delays joining ("after half the micro-batches"),
+    ``die_after`` ends the process abruptly after that many micro-batches, ``leave_after`` leaves
+    after that many, ``pace_s`` slows each micro-batch down, ``ready`` is called once connected."""
     config = config or ElasticConfig()
     client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.join_timeout_s))
     store = step_store(client, step)
@@ -311,29 +528,58 @@ def run_satellite(
     meta = json.loads(store.get("meta"))
     while join_when is not None and not join_when(store):
         time.sleep(0.005)
+    state = read_state(store)
+    if state.closure is not None and claimed(store) >= state.total:
+        return {"sid": None, "member": False, "late": True, "micro_batches": []}
     sid = store.add("joined", 1)
     heartbeat = _Heartbeat(store, f"hb/{sid}", config.heartbeat_s)
     try:
         pulled = time.perf_counter()
-        state, version = read_weights(meta["weights"], expected_version=meta["version"])
-        worker.load_weights(state, version)
+        weights, version = read_weights(meta["weights"], expected_version=meta["version"])
+        worker.load_weights(weights, version)
         pull_s = time.perf_counter() - pulled
-        sequences = load_batch(meta["batch_uri"])
+        cache = ChunkCache(load_batch)
         worker.reset()
         stats = StepStats()
-        while (index := store.add("claim", 1) - 1) < meta["micro_batches"]:
+        waited = 0.0
+        result = {"sid": sid, "pull_s": pull_s}
+        store.set(f"active/{sid}", "1")  # from here on the core waits for this satellite
+        while True:
+            if (leave is not None and leave()) or (
+                leave_after is not None and len(stats.micro_batches) >= leave_after
+            ):
+                asked = time.perf_counter()
+                _hand_over(store, sid, worker, stats, meta, waited)
+                return result | {
+                    "member": False,
+                    "left": True,
+                    "micro_batches": stats.micro_batches,
+                    "handoff_s": time.perf_counter() - asked,
+                    "left_after_s": time.time() - meta["opened_at"],
+                    "wait_s": waited,
+                }
+            state = read_state(store)
+            index = try_claim(store, sid, state.total)
+            if index is None:
+                if state.closure is not None:
+                    break
+                idle = time.perf_counter()
+                time.sleep(config.poll_s)
+                waited += time.perf_counter() - idle
+                continue
             store.set(f"owner/{index}", str(sid))
-            stats.add(worker.accumulate(sequences[index], meta["n_executions"], index, meta["version"]))
+            stats.add(worker.accumulate(cache.sequence(state, index), meta["n_executions"], index, version))
             if die_after is not None and len(stats.micro_batches) >= die_after:
                 os._exit(17)  # a crash mid-step, as a killed cell would
             if pace_s:
                 time.sleep(pace_s)
-        store.set(f"finished/{sid}", json.dumps({"micro_batches": stats.micro_batches}))
+        store.set(f"finished/{sid}", json.dumps({"micro_batches": stats.micro_batches, "wait_s": waited}))
+        result |= {"micro_batches": stats.micro_batches, "wait_s": waited, "left": False}
         group = json.loads(store.get("group/0"))
         if sid not in group["members"]:
-            return {"sid": sid, "member": False, "micro_batches": stats.micro_batches, "pull_s": pull_s}
+            return result | {"member": False}
         rank = group["members"].index(sid)
         _reduce(store, 0, rank, len(group["members"]), worker.grad, stats, config.reduce_timeout_s)
-        return {"sid": sid, "member": True, "micro_batches": stats.micro_batches, "pull_s": pull_s}
+        return result | {"member": True}
     finally:
         heartbeat.stop()

@@ -3,31 +3,26 @@
     python -m engines.train.satellite --host 127.0.0.1 --port 29500 --step 3 --model ./policy
 
 The satellite builds its model from the HF-format folder once, pulls the step's weights from the
-core's fast in-host path (version-checked), reads the step's packed batch from storage and takes
-micro-batches until none are left (engines/train/elastic.py has the protocol).
+core's fast in-host path (version-checked), and takes micro-batches as they arrive (reading each
+chunk of the step from storage once) until the step is closed and none are left, or until it is
+asked to leave (engines/train/elastic.py has the protocol, engines/train/stream.py the queue).
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 
-import fsspec
-import pyarrow.parquet as pq
 import torch
 
 from engines.model.weights import load_model
 from engines.train.config import LossConfig
 from engines.train.elastic import ElasticConfig, run_satellite
+from engines.train.stream import claimed, read_batch
 from engines.train.worker import GradWorker
-from trajectory_store.processor import PackedSequence, table_to_sequences
 
-
-def read_batch(uri: str) -> list[PackedSequence]:
-    with fsspec.open(uri, "rb") as handle:
-        return table_to_sequences(pq.read_table(io.BytesIO(handle.read())))
+__all__ = ["main", "read_batch", "satellite_main"]
 
 
 def satellite_main(
@@ -39,17 +34,22 @@ def satellite_main(
     *,
     join_after_claims: int = 0,
     die_after: int | None = None,
+    leave_after: int | None = None,
+    leave=None,
     threads: int = 1,
     pace_s: float = 0.0,
     ready=None,
+    results=None,
 ) -> dict:
+    """``leave``: an Event (e.g. multiprocessing's) whose setting makes the satellite leave after its
+    current micro-batch; ``results``: a queue that receives the satellite's result dict."""
     torch.set_num_threads(threads)
     worker = GradWorker(load_model(model_dir, dtype=torch.float32), LossConfig(**(loss or {})))
 
     def join_when(store) -> bool:
-        return store.add("claim", 0) >= join_after_claims
+        return claimed(store) >= join_after_claims
 
-    return run_satellite(
+    result = run_satellite(
         host,
         port,
         step,
@@ -58,9 +58,14 @@ def satellite_main(
         config=ElasticConfig(),
         join_when=join_when if join_after_claims else None,
         die_after=die_after,
+        leave_after=leave_after,
+        leave=leave.is_set if leave is not None else None,
         pace_s=pace_s,
         ready=ready.set if ready is not None else None,
     )
+    if results is not None:
+        results.put(result)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,12 +114,18 @@ class GradWorker:
     def reset(self) -> None:
         self.grad.zero_()
 
-    def accumulate(self, sequence: PackedSequence, n_executions: int, index: int, version: int) -> StepStats:
-        """Adds the gradient of one micro-batch's share of the step loss to the flat buffer."""
+    def accumulate(
+        self, sequence: PackedSequence, n_executions: int | None, index: int, version: int
+    ) -> StepStats:
+        """Adds the gradient of one micro-batch's share of the step loss to the flat buffer.
+
+        ``n_executions`` None: the step's normalizer is not known yet (a streaming step), so the
+        gradient and loss are added unnormalized and the core divides the reduced sum by it."""
         self.model.train()
         for param in self.params:
             param.grad = None
-        terms, targets = sequence_loss(self.model, sequence, n_executions, self.loss_config)
+        normalizer = 1 if n_executions is None else n_executions  # x / 1 is exact: unnormalized
+        terms, targets = sequence_loss(self.model, sequence, normalizer, self.loss_config)
         terms.loss.backward()
         offset = 0
         for param in self.params:
