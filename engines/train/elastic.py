@@ -312,14 +312,14 @@ class StreamingStep:
         n_sequences: int | None = None,
         key: str | None = None,
     ):
-        """Appends the chunk at ``uri``; in-process ``sequences`` spare the core reading it back."""
+        """Appends the chunk at ``uri``; in-process ``sequences`` spare the core reading it back.
+        Safe from another thread than ``train``'s (TCPStore operations are serialized)."""
         if sequences is None and n_sequences is None:
             raise ValueError("say how many sequences the chunk holds (n_sequences), or pass them")
         count = len(sequences) if sequences is not None else n_sequences
-        chunk = append_chunk(self.store, uri, count, n_executions, key)
-        if sequences is not None:
-            self.cache.put(chunk.key, list(sequences))
-        return chunk
+        if sequences is not None:  # before the append: the core may claim from it at once
+            self.cache.put(key or uri, list(sequences))
+        return append_chunk(self.store, uri, count, n_executions, key)
 
     def close(self, n_executions: int | None = None) -> StreamState:
         return close_stream(self.store, n_executions)
