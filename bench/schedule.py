@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from scheduler.policy import make_policy
-from sim.presets import PRESETS, Preset, sample_workload
-from sim.run import RunResult, Workload, simulate
+from sim.presets import PRESETS, Preset, Workload, sample_workload
+from sim.run import RunResult, simulate
 
 DEFAULT_OUT = "bench/results/schedule.json"
 QUICK_STEPS = {"paper-flagship": 4, "cpu-small": 12, "cpu-small-tail": 12}

@@ -228,7 +228,7 @@ PAPER_FLAGSHIP = Preset(
     to_rollout_s=3.5,
     tick_s=60,
     elastic={"min_dwell_s": 600},
-    async_splits=(16, 32, 64),
+    async_splits=(8, 16, 32, 64),
 )
 
 CPU_SMALL = Preset(
