@@ -236,10 +236,46 @@ def test_satellites_joining_mid_stream_give_the_same_bits(setup, alone):
 
 
 def test_a_satellite_dying_mid_stream_loses_nothing(setup, alone):
-    config = ElasticConfig(dead_after_s=2.0)
+    """It dies after its first micro-batch, before the lull: the core finds out during the lull and
+    recomputes that micro-batch then, not at the end."""
+    config = ElasticConfig(dead_after_s=1.0)
     core, report, exitcodes, _ = _stream(setup, [{"die_after": 1}], pace_s=0.3, config=config)
     assert exitcodes == [17]
-    assert report.dead == [1] and report.recomputed and report.members == [0], report
+    assert report.dead == [1] and report.members == [0], report
+    assert report.recomputed and report.recomputed_early == sorted(report.recomputed), report
+    _every_micro_batch_once(report)
+    assert _same_bits(core.weights(), alone)
+
+
+def test_a_stalled_satellite_is_evicted_and_its_late_word_ignored(setup, alone):
+    """A satellite alive but silent (its heartbeat every 30 s, the core's patience 0.5 s) is evicted
+    mid-stream: it stops when it sees so, and only the core's recomputation of its work counts."""
+    core = CoreTrainer(_load(setup["model_dir"]), setup["config"])
+    coordinator = ElasticCoordinator(core, config=ElasticConfig(dead_after_s=0.5))
+    step = coordinator.open_step(0, weights_dir=setup["weights_dir"])
+    worker = GradWorker(_load(setup["model_dir"]), LossConfig())
+    outcome = {}
+
+    def satellite() -> None:
+        config = ElasticConfig(heartbeat_s=30.0)
+        outcome.update(
+            run_satellite(
+                coordinator.host, coordinator.port, 0, worker, read_batch, config=config, pace_s=0.2
+            )
+        )
+
+    thread = threading.Thread(target=satellite, daemon=True)
+    thread.start()
+    producer = _Producer(step.address, _schedule(setup["chunks"]))
+    producer.start()
+    report = step.train(pace_s=0.3)
+    producer.join(10)
+    thread.join(30)
+    coordinator.close()
+    assert producer.error is None
+    assert outcome.get("evicted") and outcome["micro_batches"], outcome
+    assert report.dead == [1] and report.members == [0] and 1 not in report.by_participant, report
+    assert set(outcome["micro_batches"]) <= set(report.recomputed)
     _every_micro_batch_once(report)
     assert _same_bits(core.weights(), alone)
 

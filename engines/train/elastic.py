@@ -18,7 +18,9 @@ One step, as the core cell runs it:
    that file, and the cell serves rollouts at once instead of waiting for the reduction.
 4. Once the step is closed and every micro-batch claimed, the core waits until every active
    satellite has finished, left or died (heartbeats). Micro-batches claimed by a dead satellite died
-   with its buffer, so the core computes them again: every micro-batch counts exactly once.
+   with its buffer, so the core computes them again: every micro-batch counts exactly once. A
+   satellite found dead while the step still streams is evicted at once (what it says later is
+   ignored) and its micro-batches are recomputed then, so a death does not lengthen the tail.
 5. The core names the members (itself + finished satellites that computed something); they form
    a gloo group from the TCPStore plus a PrefixStore and reduce their gradient sums once. If that
    fails (a member died inside it), the core restores its own sum, recomputes every other member's
@@ -97,7 +99,7 @@ class StepReport:
     micro_batches: int
     members: list[int]  # participants whose gradients were reduced (0 = the core)
     by_participant: dict[int, list[int]]  # micro-batches of each member and each satellite that left
-    recomputed: list[int]  # micro-batches the core redid for satellites that died
+    recomputed: list[int]  # micro-batches the core redid for satellites that died (all of them)
     dead: list[int]
     stats: StepStats
     grad_norm: float
@@ -110,6 +112,7 @@ class StepReport:
     left: list[int] = field(default_factory=list)  # satellites that left mid-step (sums handed over)
     arrivals_s: list[float] = field(default_factory=list)  # per micro-batch: seconds after open it arrived
     wait_s: dict[int, float] = field(default_factory=dict)  # per participant: idle, waiting for arrivals
+    recomputed_early: list[int] = field(default_factory=list)  # of ``recomputed``: while the step streamed
 
     def metrics(self) -> dict[str, float]:
         s = self.stats
@@ -279,6 +282,9 @@ class StreamingStep:
         core.worker.reset()
         self.version = core.version
         self.cache = ChunkCache()
+        self.evicted: set[int] = set()  # satellites found dead while the step streamed
+        self.recomputed: list[int] = []
+        self._first_seen: dict[int, float] = {}
         open_stream(self.store)
         self.opened_at = time.time()
         self.deadline = None if deadline_s is None else self.opened_at + deadline_s
@@ -346,12 +352,41 @@ class StreamingStep:
         sequence = self.cache.sequence(state, index)
         stats.add(worker.accumulate(sequence, self.normalizer, index, self.version))
 
+    def _silent(self, sid: int, now: float) -> bool:
+        """No heartbeat from satellite ``sid`` for longer than dead_after_s."""
+        self._first_seen.setdefault(sid, now)
+        beat = float(self.store.get(f"hb/{sid}")) if _has(self.store, f"hb/{sid}") else self._first_seen[sid]
+        return now - beat > self.config.dead_after_s
+
+    def _evict_dead(self, stats: StepStats) -> None:
+        """While the step streams: a satellite found dead is evicted (whatever it says later is
+        ignored) and what it claimed is recomputed now, so its death does not land on the tail."""
+        store, now = self.store, time.time()
+        for sid in range(1, store.add("joined", 0) + 1):
+            if sid in self.evicted or not _has(store, f"active/{sid}"):
+                continue
+            if _has(store, f"finished/{sid}") or _has(store, f"left/{sid}") or not self._silent(sid, now):
+                continue
+            store.set(f"evicted/{sid}", "1")
+            self.evicted.add(sid)
+            upto = claimed(store)
+            state = read_state(store)  # read after ``upto``: it holds every micro-batch claimed so far
+            for index in range(upto):
+                owner = store.get(f"owner/{index}") if _has(store, f"owner/{index}") else None
+                if owner is not None and int(owner) == sid and index not in self.recomputed:
+                    self._compute(stats, state, index)
+                    self.recomputed.append(index)
+
     def _train(self, pace_s: float, on_micro_batch: Callable[[int], None] | None) -> StepReport:
         store, core, config = self.store, self.coordinator.core, self.config
         worker = core.worker
         stats = StepStats()
         waited = 0.0
+        next_check = time.time() + 2 * config.heartbeat_s
         while True:
+            if time.time() >= next_check:
+                self._evict_dead(stats)
+                next_check = time.time() + 2 * config.heartbeat_s
             state = read_state(store)
             if state.closure is None and self.deadline is not None and time.time() >= self.deadline:
                 state = close_stream(store, by="deadline")
@@ -373,10 +408,11 @@ class StreamingStep:
         closure, n = state.closure, state.total
 
         finished, left, dead = self._wait_for_satellites()
-        recomputed = []
+        recomputed = self.recomputed
+        early = set(recomputed)
         for index in range(n):
             owner = int(store.get(f"owner/{index}")) if _has(store, f"owner/{index}") else None
-            if owner is None or owner in dead:
+            if (owner is None or owner in dead) and index not in early:
                 self._compute(stats, state, index)
                 recomputed.append(index)
         by_participant = {CORE: list(stats.micro_batches)}
@@ -458,30 +494,31 @@ class StreamingStep:
             left=sorted(left),
             arrivals_s=[t - self.opened_at for t in state.arrivals()],
             wait_s=wait_s,
+            recomputed_early=sorted(early),
         )
 
     def _wait_for_satellites(self) -> tuple[dict[int, dict], dict[int, dict], list[int]]:
         """Waits until every active satellite has finished, left or died. A satellite that is not
         active yet (still pulling weights) can own nothing: every micro-batch is claimed already."""
         store = self.store
-        first_seen: dict[int, float] = {}
         while True:
             joined = store.add("joined", 0)
             finished, left, dead, waiting = {}, {}, [], []
             now = time.time()
             for sid in range(1, joined + 1):
-                if _has(store, f"finished/{sid}"):
+                if sid in self.evicted:
+                    dead.append(sid)
+                elif _has(store, f"finished/{sid}"):
                     finished[sid] = json.loads(store.get(f"finished/{sid}"))
                 elif _has(store, f"left/{sid}"):
                     left[sid] = json.loads(store.get(f"left/{sid}"))
                 elif _has(store, f"active/{sid}"):
-                    first_seen.setdefault(sid, now)
-                    beat = float(store.get(f"hb/{sid}")) if _has(store, f"hb/{sid}") else first_seen[sid]
-                    if now - beat > self.config.dead_after_s:
-                        dead.append(sid)
-                    else:
-                        waiting.append(sid)
+                    (dead if self._silent(sid, now) else waiting).append(sid)
             if not waiting:
+                for sid in self.evicted:  # an evicted satellite that left anyway: its sum is void
+                    record = json.loads(store.get(f"left/{sid}")) if _has(store, f"left/{sid}") else {}
+                    if record.get("grad") and os.path.exists(record["grad"]):
+                        os.remove(record["grad"])
                 return finished, left, dead
             time.sleep(self.config.poll_s)
 
@@ -545,6 +582,8 @@ def run_satellite(
         result = {"sid": sid, "pull_s": pull_s}
         store.set(f"active/{sid}", "1")  # from here on the core waits for this satellite
         while True:
+            if _has(store, f"evicted/{sid}"):  # found dead by the core (a long stall): its work is redone
+                return result | {"member": False, "evicted": True, "micro_batches": stats.micro_batches}
             if (leave is not None and leave()) or (
                 leave_after is not None and len(stats.micro_batches) >= leave_after
             ):
