@@ -267,11 +267,11 @@ class Router:
         source = self._engine(engine_id)
         if source.state == "dead":
             raise GatewayError(409, f"engine {engine_id} is dead: nothing to drain")
-        if self.place(exclude=source) is None:
-            raise GatewayError(409, f"cannot drain {engine_id}: no other active engine can take its sessions")
-        source.state = "draining"
-        self.stats.drains += 1
         routes = [self.sessions[s] for s in sorted(source.sessions) if s in self.sessions]
+        if routes and self.place(exclude=source) is None:
+            raise GatewayError(409, f"cannot drain {engine_id}: no other active engine can take its sessions")
+        source.state = "draining"  # with no session to move, even the last engine may go (a whole pool
+        self.stats.drains += 1  # that turns to training between steps)
         start = time.perf_counter()
         outcomes = await asyncio.gather(*(self._move(r, source) for r in routes), return_exceptions=True)
         errors = [

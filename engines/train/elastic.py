@@ -550,13 +550,16 @@ def run_satellite(
     ready: Callable[[], None] | None = None,
     leave: Callable[[], bool] | None = None,
     leave_after: int | None = None,
+    joined: Callable[[dict], None] | None = None,
 ) -> dict:
     """A satellite's share of one step. ``leave`` is asked between micro-batches and while idle:
     True hands the gradient sum over to the core and returns at once (the cell can serve rollouts).
 
     Test and benchmark hooks: ``join_when`` delays joining ("after half the micro-batches"),
     ``die_after`` ends the process abruptly after that many micro-batches, ``leave_after`` leaves
-    after that many, ``pace_s`` slows each micro-batch down, ``ready`` is called once connected."""
+    after that many, ``pace_s`` slows each micro-batch down, ``ready`` is called once connected.
+    ``joined`` is called with {sid, pull_s} once the weights are pulled and the core counts on this
+    satellite (the end of a cell's switch to training: scheduler/cells.py times it)."""
     config = config or ElasticConfig()
     client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.join_timeout_s))
     store = step_store(client, step)
@@ -581,6 +584,8 @@ def run_satellite(
         waited = 0.0
         result = {"sid": sid, "pull_s": pull_s}
         store.set(f"active/{sid}", "1")  # from here on the core waits for this satellite
+        if joined is not None:
+            joined(dict(result))
         while True:
             if _has(store, f"evicted/{sid}"):  # found dead by the core (a long stall): its work is redone
                 return result | {"member": False, "evicted": True, "micro_batches": stats.micro_batches}

@@ -1,0 +1,299 @@
+"""Cells: the units of hardware that move between rollout and training, and the two switch sequences.
+
+A cell on this machine is a rollout engine process and a trainer replica process, each with the cell's
+thread budget; the one that is not in the cell's role sleeps (an engine asleep holds no weights and
+no KV; a replica between steps holds only its model skeleton). Neither process is started or stopped
+by a switch, so a switch costs a drain, a sleep and a weight pull, not a start-up. On a GPU the same
+sequence moves weights between device and host (bench/gpu/role_switch.py measures it there).
+
+    pool = CellPool(gateway, [CellSpec("cell-0", url0, "rollout-8001", core=True), ...], model_dir)
+    pool.to_train("cell-1", (host, port, step))   # drain -> sleep -> join   (Switch, timed per phase)
+    pool.to_rollout("cell-1", version, path)      # leave -> wake -> register
+
+rollout -> train: the gateway drains the cell's engine (every live session moves to an engine that
+stays, with its KV cache and any request in flight: engines/gateway/router.py, so no execution is
+interrupted), the engine sleeps, and the replica pulls the step's weights from the core and joins the
+step in progress (engines/train/elastic.py). The core cell has no replica: the core trains in every
+step; its engine only serves while the whole pool rolls out (colocate).
+
+train -> rollout: the replica leaves after its current micro-batch (its gradient sum is handed to the
+core, so nothing it computed is lost), the engine wakes with the newest published weights, and the
+gateway routes new sessions to it again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from engines.train.elastic import ElasticConfig, run_satellite
+from scheduler.policy import CellState, Role
+
+JOIN_TIMEOUT_S = 120.0  # a replica that has not joined by then has failed (start-up is seconds)
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    cell_id: str
+    engine_url: str
+    engine_id: str  # the engine's id in the gateway
+    core: bool = False
+
+
+@dataclass
+class Switch:
+    """One role change of one cell, timed per phase (seconds)."""
+
+    cell_id: str
+    to: Role
+    started: float  # time.time() when it began
+    phases: dict[str, float] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+
+class Admin:
+    """The gateway's and the engines' admin endpoints (bearer tokens; errors name the endpoint)."""
+
+    def __init__(self, gateway_url: str, gateway_token: str, engine_token: str, timeout_s: float = 120.0):
+        self.gateway_url = gateway_url
+        self._gateway = {"Authorization": f"Bearer {gateway_token}"}
+        self._engine = {"Authorization": f"Bearer {engine_token}"}
+        self.client = httpx.Client(timeout=timeout_s)
+
+    def _call(self, method: str, url: str, headers: dict, body: dict | None = None) -> dict:
+        response = self.client.request(method, url, json=body, headers=headers)
+        if response.status_code != 200:
+            raise RuntimeError(f"{method} {url} answered {response.status_code}: {response.text[:300]}")
+        return response.json()
+
+    def gateway(self, method: str, path: str, body: dict | None = None) -> dict:
+        return self._call(method, f"{self.gateway_url}{path}", self._gateway, body)
+
+    def engine(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
+        return self._call(method, f"{url}{path}", self._engine, body)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def replica_main(model_dir: str, threads: int, loss: dict, commands, events, leave) -> None:
+    """A cell's trainer replica: builds the model once, then joins the steps it is sent to.
+
+    commands: ("join", host, port, step) or ("stop",); events: ("joined", info) once it counts in the
+    step, then ("done", result) when it left or the step ended; ``leave`` (an Event) asks it to leave
+    after its current micro-batch."""
+    import torch
+
+    from engines.model.weights import load_model
+    from engines.train.config import LossConfig
+    from engines.train.stream import read_batch
+    from engines.train.worker import GradWorker
+
+    torch.set_num_threads(threads)
+    worker = GradWorker(load_model(model_dir, dtype=torch.float32), LossConfig(**loss))
+    events.put(("ready", {}))
+    while True:
+        command = commands.get()
+        if command[0] == "stop":
+            return
+        _, host, port, step = command
+        try:
+            result = run_satellite(
+                host,
+                port,
+                step,
+                worker,
+                read_batch,
+                config=ElasticConfig(),
+                leave=leave.is_set,
+                joined=lambda info: events.put(("joined", info)),
+            )
+        except Exception as error:  # the step failed for this replica; the core redoes its share
+            result = {"error": f"{type(error).__name__}: {error}"}
+        events.put(("done", result))
+
+
+class Replica:
+    """The handle of one replica process (spawned once, reused by every switch of its cell)."""
+
+    def __init__(self, model_dir: str, threads: int, loss: dict | None = None):
+        context = multiprocessing.get_context("spawn")
+        self.commands, self.events, self.leave = context.Queue(), context.Queue(), context.Event()
+        self.process = context.Process(
+            target=replica_main,
+            args=(model_dir, threads, loss or {}, self.commands, self.events, self.leave),
+            daemon=True,
+        )
+        self.process.start()
+        self.busy = False
+        self.last_result: dict | None = None
+
+    def wait_ready(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        self._expect("ready", timeout_s)
+
+    def join(self, host: str, port: int, step: int, timeout_s: float = JOIN_TIMEOUT_S) -> dict:
+        self.leave.clear()
+        self.commands.put(("join", host, port, step))
+        self.busy = True
+        kind, info = self._next(timeout_s)
+        if kind == "done":  # the step ended (or refused it) before it could count
+            self.busy, self.last_result = False, info
+            return {"late": True, **info}
+        return info
+
+    def leave_step(self, timeout_s: float = 60.0) -> dict:
+        """Asks the replica to leave after its current micro-batch; its result (handoff timing)."""
+        if not self.busy:
+            return {"idle": True}
+        self.leave.set()
+        _, result = self._expect("done", timeout_s)
+        self.busy, self.last_result = False, result
+        return result
+
+    def poll(self) -> dict | None:
+        """The result of a step the replica finished on its own (the step closed), if any."""
+        try:
+            kind, info = self.events.get_nowait()
+        except queue.Empty:
+            return None
+        if kind == "done":
+            self.busy, self.last_result = False, info
+        return info
+
+    def _next(self, timeout_s: float) -> tuple[str, dict]:
+        try:
+            return self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            alive = "alive" if self.process.is_alive() else f"dead (exit {self.process.exitcode})"
+            raise TimeoutError(f"replica silent for {timeout_s:.0f} s; its process is {alive}") from None
+
+    def _expect(self, kind: str, timeout_s: float) -> tuple[str, dict]:
+        got, info = self._next(timeout_s)
+        if got != kind:
+            raise RuntimeError(f"replica said {got!r} ({info}) where {kind!r} was expected")
+        return got, info
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.leave.set()
+            self.commands.put(("stop",))
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+@dataclass
+class Cell:
+    spec: CellSpec
+    role: Role = "rollout"
+    since: float = 0.0
+    replica: Replica | None = None
+
+
+class CellPool:
+    """The cells of one campaign, their roles, and the switches between them (a log of `Switch`)."""
+
+    def __init__(
+        self,
+        admin: Admin,
+        specs: list[CellSpec],
+        model_dir: str,
+        *,
+        threads: int = 1,
+        loss: dict | None = None,
+        clock=time.monotonic,
+    ):
+        if sum(s.core for s in specs) != 1:
+            raise ValueError(
+                f"a pool needs exactly one core cell; got {[s.cell_id for s in specs if s.core]}"
+            )
+        self.admin, self.clock = admin, clock
+        self.started = clock()
+        self.cells = {s.cell_id: Cell(s, since=0.0) for s in specs}
+        for cell in self.cells.values():
+            if not cell.spec.core:
+                cell.replica = Replica(model_dir, threads, loss)
+        for cell in self.cells.values():
+            if cell.replica:
+                cell.replica.wait_ready()
+        self.switches: list[Switch] = []
+
+    def now(self) -> float:
+        return self.clock() - self.started
+
+    def to_train(self, cell_id: str, step_address: tuple[str, int, int] | None) -> Switch:
+        """drain -> sleep -> join (the core cell has no replica: it trains in the step already)."""
+        cell = self.cells[cell_id]
+        switch = Switch(cell_id, "train", time.time())
+        mark = time.perf_counter()
+        drained = self.admin.gateway("POST", f"/admin/engines/{cell.spec.engine_id}/drain")
+        mark = _phase(switch, "drain", mark)
+        switch.detail["migrated_sessions"] = drained.get("moved_with_kv", 0)
+        switch.detail["drain_failed"] = drained.get("failed", [])
+        self.admin.engine(cell.spec.engine_url, "POST", "/admin/sleep")
+        mark = _phase(switch, "sleep", mark)
+        if cell.replica is not None and step_address is not None:
+            info = cell.replica.join(*step_address)
+            mark = _phase(switch, "join", mark)
+            switch.detail["weight_pull_s"] = info.get("pull_s")
+            switch.detail["late"] = bool(info.get("late"))
+        return self._done(cell, "train", switch)
+
+    def to_rollout(self, cell_id: str, version: int, weights_path: str) -> Switch:
+        """leave -> wake -> register."""
+        cell = self.cells[cell_id]
+        switch = Switch(cell_id, "rollout", time.time())
+        mark = time.perf_counter()
+        if cell.replica is not None:
+            left = cell.replica.leave_step()
+            mark = _phase(switch, "leave", mark)
+            switch.detail["handoff_s"] = left.get("handoff_s")
+        self.admin.engine(
+            cell.spec.engine_url, "POST", "/admin/wake", {"path": weights_path, "version": version}
+        )
+        mark = _phase(switch, "wake", mark)
+        self.admin.gateway("POST", f"/admin/engines/{cell.spec.engine_id}/activate")
+        _phase(switch, "register", mark)
+        return self._done(cell, "rollout", switch)
+
+    def _done(self, cell: Cell, role: Role, switch: Switch) -> Switch:
+        cell.role, cell.since = role, self.now()
+        self.switches.append(switch)
+        return switch
+
+    def states(self) -> tuple[CellState, ...]:
+        """The cells as a policy sees them (sessions per engine from the gateway)."""
+        engines = {e["engine_id"]: e for e in self.admin.gateway("GET", "/admin/stats").get("engines", [])}
+        return tuple(
+            CellState(
+                cell_id=c.spec.cell_id,
+                role=c.role,
+                core=c.spec.core,
+                since=c.since,
+                active_sessions=engines.get(c.spec.engine_id, {}).get("sessions", 0)
+                if c.role == "rollout"
+                else 0,
+            )
+            for c in self.cells.values()
+        )
+
+    def close(self) -> None:
+        for cell in self.cells.values():
+            if cell.replica:
+                cell.replica.stop()
+        self.admin.close()
+
+
+def _phase(switch: Switch, name: str, since: float) -> float:
+    now = time.perf_counter()
+    switch.phases[name] = round(now - since, 4)
+    return now

@@ -1,0 +1,127 @@
+"""A cell's round trip on real processes: a rollout engine behind the gateway and a trainer replica.
+
+rollout -> train while an execution's session lives on the cell's engine: the session moves to the
+engine that stays (with its KV cache) and its next call succeeds there; the replica joins a streaming
+step in progress. train -> rollout before the step closes: the replica leaves (its work handed to the
+core), the engine wakes and takes new sessions. The step's update still equals the same batch trained
+by one process, and every switch is timed per phase."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+import pytest
+import torch
+
+from engines.model.weights import load_model
+from engines.train.config import TrainerConfig
+from engines.train.core import CoreTrainer
+from engines.train.elastic import ElasticCoordinator
+from engines.train.stream import StreamProducer, write_chunk
+from scheduler.cells import Admin, CellPool, CellSpec
+from tasks.stack import local_stack
+from tests.campaign_fixtures import tiny_policy
+from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
+from trajectory_store.storage import StoreConfig
+
+pytestmark = pytest.mark.slow
+
+
+def _load(model_dir: str) -> torch.nn.Module:
+    return load_model(model_dir, dtype=torch.float32)
+
+
+def _chat(registration: dict, text: str) -> dict:
+    response = httpx.post(
+        f"{registration['base_url']}/chat/completions",
+        headers={"Authorization": f"Bearer {registration['api_key']}"},
+        json={"model": "gyre-policy", "messages": [{"role": "user", "content": text}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp_path):
+    torch.set_num_threads(1)
+    policy = tiny_policy(tmp_path / "policy")
+    trainer_model = str(tmp_path / "trainer-model")
+    tiny_model(5).save_pretrained(trainer_model, safe_serialization=True)
+    batch = packed_batch(str(tmp_path / "batch"), seed=11, n_executions=8, budget=16)
+    perturb_behaviour(batch, 11)
+    chunks = [
+        (write_chunk(seqs, str(tmp_path / "chunks" / f"c{k}.parquet")), len(seqs), n)
+        for k, (seqs, n) in enumerate(chunks_by_execution(batch, 1))
+    ]
+    weights_dir = str(tmp_path / "fast")
+    os.makedirs(weights_dir)
+    config = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)
+    reference = CoreTrainer(_load(trainer_model), config)  # the same batch, one process, not streamed
+    solo = ElasticCoordinator(reference)
+    uri = write_chunk(batch.sequences, str(tmp_path / "batch.parquet"))
+    solo.run_step(0, batch.sequences, len(batch.advantages), batch_uri=uri, weights_dir=weights_dir)
+    solo.close()
+
+    with local_stack(policy, StoreConfig(data_root=str(tmp_path / "data")), engines=2) as stack:
+        admin = Admin(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
+        register = admin.gateway("POST", "/admin/executions", {"execution_id": "e1"})
+        first = _chat(register, "hello")["gyre"]["engine_id"]
+        engines = {e["engine_id"]: e["url"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
+        other = next(e for e in engines if e != first)
+        specs = [
+            CellSpec("cell-0", engines[other], other, core=True),
+            CellSpec("cell-1", engines[first], first),
+        ]
+        pool = CellPool(admin, specs, trainer_model)
+        try:
+            core = CoreTrainer(_load(trainer_model), config)
+            coordinator = ElasticCoordinator(core)
+            step = coordinator.open_step(0, weights_dir=weights_dir)
+            reports = []
+            trainer = threading.Thread(target=lambda: reports.append(step.train(pace_s=0.05)), daemon=True)
+            trainer.start()
+            producer = StreamProducer(*step.address)
+            for k, (chunk_uri, count, n) in enumerate(chunks[:2]):
+                producer.append(chunk_uri, count, n, key=f"c{k}")
+
+            to_train = pool.to_train("cell-1", step.address)
+            assert set(to_train.phases) == {"drain", "sleep", "join"}
+            assert to_train.detail["migrated_sessions"] == 1 and not to_train.detail["drain_failed"]
+            assert not to_train.detail["late"] and to_train.detail["weight_pull_s"] is not None
+            # the execution goes on, on the engine that stays
+            assert _chat(register, "and then?")["gyre"]["engine_id"] == other
+            assert admin.engine(engines[first], "GET", "/admin/stats")["asleep"]
+
+            for k, (chunk_uri, count, n) in enumerate(chunks[2:], start=2):
+                producer.append(chunk_uri, count, n, key=f"c{k}")
+            to_rollout = pool.to_rollout("cell-1", 1, os.path.join(policy, "model.safetensors"))
+            assert set(to_rollout.phases) == {"leave", "wake", "register"}
+            stats = admin.engine(engines[first], "GET", "/admin/stats")
+            assert not stats["asleep"] and stats["policy_version"] == 1
+            # the woken engine takes new sessions again (the other one holds e1)
+            second = admin.gateway("POST", "/admin/executions", {"execution_id": "e2"})
+            assert _chat(second, "hi")["gyre"]["engine_id"] == first
+
+            producer.close()
+            trainer.join(120)
+            assert reports, "the core's step did not end"
+            report = reports[0]
+            assert report.left, "the replica left the step before it closed"
+            used = sorted(i for ids in report.by_participant.values() for i in ids)
+            assert used == list(range(report.micro_batches))
+            coordinator.close()
+            # streamed with a satellite that came and went == the batch trained by one process
+            # (1e-5: the streaming normalizer's rounding, engines/train/elastic.py)
+            num = den = 0.0
+            initial = _load(trainer_model).state_dict()
+            for name, ref in reference.weights().items():
+                update, ref_update = core.weights()[name] - initial[name], ref - initial[name]
+                num += float((update - ref_update).double().pow(2).sum())
+                den += float(ref_update.double().pow(2).sum())
+            assert (num / den) ** 0.5 < 1e-5
+            assert [s.to for s in pool.switches] == ["train", "rollout"]
+            assert [c.role for c in pool.states()] == ["rollout", "rollout"]
+        finally:
+            pool.close()
