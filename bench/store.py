@@ -21,6 +21,9 @@ shared and noisy: read the ratios, not the absolute seconds.
    context hashes come from the recorder), so the baseline's speed is, if anything, flattered.
 5. Trees and selection: the DuckDB views (tree_nodes, trajectories, selected_trajectories,
    training_tokens) queried fresh (views are not materialized), and ``processor.pack``.
+6. Snapshots (bench/store_snapshots.py): a group of G timed-out executions of one problem stored as
+   Parquet rows + content-addressed blobs against the tar.gz of each workspace
+   (``snapshot_bytes_over_targz``, ``snapshot_dedup_ratio``, write and read-back times).
 
 Prints one figure per line and writes JSON (indent 1) to ``--out``.
 """
@@ -45,6 +48,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from bench.store_snapshots import run_snapshots
+from bench.store_snapshots import summary_lines as snapshot_lines
 from trajectory_store import db, synth
 from trajectory_store.config import PackingConfig
 from trajectory_store.processor import pack
@@ -313,7 +318,9 @@ def run(preset_name: str, workdir: str) -> dict[str, Any]:
         "pack_target_tokens": batch.n_target_tokens,
         "repeated_tokens": batch.n_repeated_tokens,
     }
+    figures.update(run_snapshots(preset_name, workdir))
     figures["consistency"] = {
+        "snapshot export == tar.gz of the workspace": figures["snapshot_export_equals_targz"],
         "stored_rows == calls": stored_rows == n_calls,
         "stored new_ids == unique_tokens": stored_unique == unique_tokens,
         "tree_nodes tokens == unique_tokens": tree_tokens == unique_tokens,
@@ -324,6 +331,7 @@ def run(preset_name: str, workdir: str) -> dict[str, Any]:
         "naive_layout_bytes_ratio > 1": figures["naive_layout_bytes_ratio"] > 1,
         "naive_layout_parquet_ratio > 1": figures["naive_layout_parquet_ratio"] > 1,
         "weights_sum_to_one": weights_ok,
+        "snapshot_dedup_ratio > 1": figures["snapshot_dedup_ratio"] > 1,
     }
     figures["environment"] = {
         "python": platform.python_version(),
@@ -390,6 +398,7 @@ def summary_lines(f: dict[str, Any]) -> list[str]:
             f"{f['pack_s']:.3f} s: {f['pack_sequences']} sequences of <= {f['pack_token_budget']:,} tokens, "
             f"{f['repeated_tokens']:,} repeated tokens",
         ),
+        *snapshot_lines(f),
         ("peak memory (RSS)", f"{f['peak_rss_mb']:.0f} MiB"),
         ("wall time", f"{f['wall_s']:.1f} s"),
     ]

@@ -10,6 +10,7 @@
     gyre traj check [--quarantine]                     read every part; move unreadable ones aside
     gyre traj sample OUT.jsonl [--preset sample]       write a synthetic paper-shaped trace
     gyre sql [--format table|csv|json] "SQL"           query the views (read-only: queries only)
+    gyre snapshot export|restore EXECUTION_ID OUT      an execution's workspace snapshot as a tar.gz or a folder
     gyre rollout --suite terminal --n 4 (--gateway URL | --model DIR)
                                                        agent executions: dispatched, graded, recorded
     gyre execution register [--problem-id P]           register one execution (an external harness):
@@ -39,7 +40,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cli import agents, campaign, executions, schedule, settings
+from cli import agents, campaign, executions, schedule, settings, snapshot
 from cli.format import render
 from engines.gateway import settings as gateway_settings
 from engines.rollout import settings as engine_settings
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 VIEWS_HELP = (
     "views: executions, calls, call_prompts, tree_nodes, trajectories, selected_trajectories, training_nodes, "
-    "training_tokens, execution_stats, metrics"
+    "training_tokens, execution_stats, metrics, snapshots, snapshot_files, snapshot_changes, blobs"
 )
 
 
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_eval_parser(model_commands)
     agents.add_rollout_parser(commands)
     executions.add_execution_parser(commands)
+    snapshot.add_snapshot_parser(commands)
     agents.add_bench_parser(bench_commands)
     campaign.add_campaign_parsers(commands, bench_commands)
     schedule.add_schedule_parser(bench_commands)
@@ -237,6 +239,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return agents.run_rollout_command(args)
     if args.command == "execution":
         return executions.run_execution_command(args)
+    if args.command == "snapshot":
+        return snapshot.run_snapshot_command(args)
     if args.command == "model" and args.model_command == "sft":
         return agents.run_sft_command(args)
     if args.command == "model" and args.model_command == "eval":

@@ -11,11 +11,13 @@ For every (problem, group member) the dispatcher
    (``python -m environments.harness``) or any external command given as a template (``{base_url}``,
    ``{api_key}``, ``{workspace}``, ``{instruction_file}``; OPENAI_BASE_URL / OPENAI_API_KEY are set too);
 4. at the deadline kills the whole group; the execution is ``timeout``, its workspace is snapshotted
-   (deterministic tar.gz, ``environments.snapshot.write_snapshot``) to
-   ``snapshots/<execution_id>.tar.gz`` in the store and graded from what was stored, extracted into
-   a fresh sandbox (``reward_source = workspace_snapshot``); an execution
-   that ended on its own is graded from its final workspace (``final``); a harness that exits non-zero
-   is ``error`` (its log is kept under ``logs/``, reward 0 as a placeholder);
+   into the store as Parquet rows (``snapshots/`` + content-addressed ``blobs/``, next to the
+   problem's starting workspace; environments/snapshot_rows.py) and graded from what was stored,
+   materialised into a fresh sandbox with the tar extraction's refusals
+   (``reward_source = workspace_snapshot``); an execution that ended on its own is graded from its
+   final workspace (``final``), and with ``snapshot_completed`` that workspace is stored too; a
+   harness that exits non-zero is ``error`` (its log is kept under ``logs/``, reward 0 as a
+   placeholder);
 5. retries a failing grader up to ``grader_retries`` times, then marks the execution ``eval_failed``
    (no reward, never trained on); no artifact at all (no workspace to snapshot) gives a reward-0
    ``placeholder``;
@@ -54,15 +56,11 @@ import httpx
 from environments.harness import HarnessConfig
 from environments.problems import GraderError, GradeResult, Problem, grade_workspace
 from environments.sandbox import Sandbox
-from environments.snapshot import (
-    UnsafeArchive,
-    read_snapshot,
-    sandbox_from_snapshot,
-    snapshot_bytes,
-    write_snapshot,
-)
+from environments.snapshot import UnsafeArchive
+from environments.snapshot_rows import sandbox_from_stored, store_workspace
 from trajectory_store.schema import RewardSource, Status
-from trajectory_store.storage import Store, StoreConfig
+from trajectory_store.snapshots import SnapshotStore
+from trajectory_store.storage import Store, StoreConfig, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +118,9 @@ class DispatchConfig:
     campaign: str | None = None
     """Record the executions in this campaign of the gateway's data root (None: the gateway's own);
     a held-out evaluation beside a training campaign uses one."""
+    snapshot_completed: bool = False
+    """Also store the final workspace of every completed execution (source 'final' in the snapshots
+    dataset), so `gyre sql` can compare it with timed-out ones; timeouts are always snapshotted."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DispatchConfig:
@@ -315,6 +316,7 @@ async def dispatch(
 class _Runner:
     def __init__(self, store: Store, config: DispatchConfig, root: str):
         self.store, self.config, self.root = store, config, Path(root)
+        self.snapshots = SnapshotStore(store)  # one blob index for the whole batch: a group shares files
         self.harness_name = config.harness_name or harness_name(config.harness_command)
         # harness inputs and outputs live apart from the workspaces, where no command can see them
         self.side_root = Path(tempfile.mkdtemp(prefix="gyre-harness-"))
@@ -396,6 +398,8 @@ class _Runner:
         else:
             outcome.status = "completed"
             await self._grade(problem, sandbox.workspace, outcome, "final")
+            if config.snapshot_completed:
+                await self._snapshot_final(problem, execution_id, sandbox.workspace, outcome)
         if outcome.status == "eval_failed":
             outcome.log_uri = self._keep_log(execution_id, log_path)
 
@@ -438,15 +442,22 @@ class _Runner:
         if not workspace.is_dir():  # nothing to grade at all
             outcome.reward, outcome.reward_source = 0.0, "placeholder"
             return
-        data = await asyncio.to_thread(snapshot_bytes, workspace)
-        outcome.snapshot_uri = await asyncio.to_thread(write_snapshot, self.store, execution_id, data)
+        outcome.snapshot_uri = await asyncio.to_thread(
+            store_workspace,
+            self.snapshots,
+            self.config.step,
+            execution_id,
+            workspace,
+            problem_id=problem.problem_id,
+            source="timeout",
+            template_files=problem.files,
+        )
         fresh = Path(tempfile.mkdtemp(prefix="gyre-regrade-"))
-        try:
-            stored = await asyncio.to_thread(read_snapshot, self.store, outcome.snapshot_uri)
-            restored = sandbox_from_snapshot(
-                stored, fresh, secrets.token_hex(8)
-            )  # graded from what was stored
-        except (UnsafeArchive, OSError) as exc:
+        try:  # graded from what was stored, never from the workspace itself
+            restored = await asyncio.to_thread(
+                sandbox_from_stored, self.snapshots, outcome.snapshot_uri, fresh, secrets.token_hex(8)
+            )
+        except (UnsafeArchive, StoreError, OSError) as exc:
             shutil.rmtree(fresh, ignore_errors=True)
             outcome.status, outcome.reward, outcome.reward_source = "eval_failed", None, None
             outcome.error = f"snapshot unusable: {exc}"
@@ -455,6 +466,23 @@ class _Runner:
             await self._grade(problem, restored.workspace, outcome, "workspace_snapshot")
         finally:
             shutil.rmtree(fresh, ignore_errors=True)
+
+    async def _snapshot_final(self, problem, execution_id, workspace: Path, outcome) -> None:
+        """Stores a completed execution's final workspace; a failure is logged, never fatal: the
+        execution was graded from the workspace itself."""
+        try:
+            outcome.snapshot_uri = await asyncio.to_thread(
+                store_workspace,
+                self.snapshots,
+                self.config.step,
+                execution_id,
+                workspace,
+                problem_id=problem.problem_id,
+                source="final",
+                template_files=problem.files,
+            )
+        except (ValueError, OSError):
+            log.exception("execution %s: its final workspace could not be snapshotted", execution_id)
 
     async def _grade(self, problem: Problem, workspace: Path, outcome, source: str) -> None:
         errors = []

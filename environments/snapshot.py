@@ -1,33 +1,39 @@
-"""Workspace snapshots: a deterministic tar.gz of a workspace, stored under ``snapshots/``, and a
-safe extraction into a fresh sandbox for grading.
+"""Workspace snapshots: what a workspace holds (``workspace_entries``), as a deterministic tar.gz
+(``snapshot_bytes``, ``tar_from_entries``), and the safe way back to files (``extract_snapshot``).
 
-When an execution hits its deadline the harness is stopped and ``snapshot_bytes`` packs the
-workspace; ``write_snapshot`` puts it at ``<campaign root>/snapshots/<execution_id>.tar.gz`` (a local
-folder or ``s3://...``; one whole-object write, so a retry rewrites the same bytes); the grader
-reads it back (``read_snapshot``) and unpacks it with ``extract_snapshot`` (or
-``sandbox_from_snapshot``) into a new workspace.
+The store keeps snapshots as Parquet rows (environments/snapshot_rows.py over
+trajectory_store/snapshots.py); the tar.gz is what ``gyre snapshot export`` writes, and the first
+format: a campaign written before the rows may still hold ``snapshots/<execution_id>.tar.gz``
+(``write_snapshot``, ``read_snapshot``, ``sandbox_from_snapshot`` read and write those).
 
-Determinism: entries sorted by path, mtime 0, uid/gid 0, empty owner names, modes 0o755 (folders
-and executables) or 0o644, gzip header mtime 0; hard links become plain files; symlinks are kept
-(as relative links) only when they stay inside the workspace; sockets, fifos and devices are left
-out. The same tree gives the same bytes, whatever its timestamps.
+Both formats hold the same entries, from one walk: sorted by path; folders (mode 0o755), files
+(0o755 if executable, else 0o644; hard links become plain files) and symlinks (kept, as relative
+links, only when they stay inside the workspace); sockets, fifos and devices are left out. The tar
+adds mtime 0, uid/gid 0, empty owner names and gzip header mtime 0, so the same tree gives the same
+bytes whatever its timestamps, and the tar exported from a snapshot's rows is the tar of the
+workspace it was taken from.
 
 Extraction trusts nothing: every member is checked before anything is written. Absolute names,
 ``..`` components, duplicate names, members below a symlink, symlinks whose target (followed
 through the archive's other links) leaves the destination, hard links to anything but an earlier
-regular file of the archive, devices, fifos and unknown types raise ``UnsafeArchive``.
+regular file of the archive, devices, fifos and unknown types raise ``UnsafeArchive``. Rows read
+back from the store are turned into the same members and pass the same checks (``check_members``).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import os
 import re
 import tarfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from environments.sandbox import Sandbox, SandboxLimits
+from trajectory_store.snapshots import SnapshotEntry
 from trajectory_store.storage import Store
 
 MAX_LINK_HOPS = 40
@@ -39,53 +45,91 @@ class UnsafeArchive(ValueError):
 
 
 # -- packing ------------------------------------------------------------------------------------
-def snapshot_bytes(workspace: str | Path) -> bytes:
-    """The workspace as a deterministic tar.gz (see the module docstring for what is kept)."""
+def workspace_entries(workspace: str | Path) -> list[SnapshotEntry]:
+    """The workspace's entries, sorted by path, each file with its size and sha256 (read once,
+    streamed: a large workspace is never held whole). See the module docstring for what is kept."""
     root = Path(workspace).resolve()
-    entries: list[tuple[str, Path]] = []
+    found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             full = Path(dirpath, name)
-            entries.append((full.relative_to(root).as_posix(), full))
+            found.append((full.relative_to(root).as_posix(), full))
+    entries = []
+    for rel, full in sorted(found):
+        entry = _entry(root, rel, full)
+        if entry is not None:
+            entries.append(entry)
+    return entries
+
+
+def _entry(root: Path, rel: str, full: Path) -> SnapshotEntry | None:
+    if os.path.islink(full):
+        target = full.resolve()
+        if target != root and not target.is_relative_to(root):
+            return None  # a link out of the workspace is not part of it
+        return SnapshotEntry(
+            rel, "symlink", 0o777, link_target=os.path.relpath(target, full.parent.resolve())
+        )
+    if full.is_dir():
+        return SnapshotEntry(rel, "dir", 0o755)
+    if full.is_file():
+        digest, size = hashlib.sha256(), 0
+        with open_workspace_file(full) as handle:
+            mode = 0o755 if os.fstat(handle.fileno()).st_mode & 0o111 else 0o644
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+        return SnapshotEntry(rel, "file", mode, size, digest.hexdigest())
+    return None  # sockets, fifos, devices
+
+
+def open_workspace_file(path: Path) -> BinaryIO:
+    """Opens a workspace file for reading without following a link put in its place."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+
+
+def snapshot_bytes(workspace: str | Path) -> bytes:
+    """The workspace as a deterministic tar.gz (see the module docstring for what is kept)."""
+    root = Path(workspace).resolve()
+    return tar_from_entries(workspace_entries(root), lambda entry: open_workspace_file(root / entry.path))
+
+
+def tar_from_entries(entries: list[SnapshotEntry], open_file: Callable[[SnapshotEntry], BinaryIO]) -> bytes:
+    """The deterministic tar.gz of these entries; ``open_file`` gives a file entry's bytes (exactly
+    ``entry.size`` of them are stored)."""
     buffer = io.BytesIO()
     with (
         gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, compresslevel=9) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
     ):
-        for rel, full in sorted(entries):
-            info = _tar_info(root, rel, full)
-            if info is None:
-                continue
+        for entry in sorted(entries, key=lambda e: e.path):
+            info = _tar_info(entry)
             if info.isreg():
-                with open(full, "rb") as handle:  # streamed: a large workspace is never held whole
-                    info.size = os.fstat(handle.fileno()).st_size
+                with open_file(entry) as handle:
                     tar.addfile(info, handle)
             else:
                 tar.addfile(info)
     return buffer.getvalue()
 
 
-def _tar_info(root: Path, rel: str, full: Path) -> tarfile.TarInfo | None:
-    st = full.lstat()
-    info = tarfile.TarInfo(rel)
+def _tar_info(entry: SnapshotEntry) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(entry.path)
     info.mtime = 0
     info.uid = info.gid = 0
     info.uname = info.gname = ""
-    if os.path.islink(full):
-        target = full.resolve()
-        if target != root and not target.is_relative_to(root):
-            return None  # a link out of the workspace is not part of it
+    if entry.kind == "symlink":
         info.type = tarfile.SYMTYPE
-        info.linkname = os.path.relpath(target, full.parent.resolve())
+        info.linkname = entry.link_target or ""
         info.mode = 0o777
-    elif full.is_dir():
+    elif entry.kind == "dir":
         info.type = tarfile.DIRTYPE
         info.mode = 0o755
-    elif full.is_file():
+    elif entry.kind == "file":
         info.type = tarfile.REGTYPE
-        info.mode = 0o755 if st.st_mode & 0o111 else 0o644
+        info.mode = 0o755 if entry.mode & 0o111 else 0o644
+        info.size = entry.size
     else:
-        return None  # sockets, fifos, devices
+        raise UnsafeArchive(f"entry {entry.path!r}: unsupported kind {entry.kind!r}")
     return info
 
 
@@ -135,8 +179,8 @@ def extract_snapshot(
                 members.append(member)
                 if len(members) > max_members:
                     raise UnsafeArchive(f"the archive holds more than {max_members} members")
-            names = _check_members(members, max_bytes)
-            return _extract(tar, members, names, dest.resolve() if dest.exists() else dest)
+            names = check_members(members, max_bytes)
+            return write_members(members, names, dest.resolve() if dest.exists() else dest, tar.extractfile)
     except (tarfile.TarError, EOFError, gzip.BadGzipFile) as exc:
         raise UnsafeArchive(f"not a readable tar.gz: {exc}") from exc
 
@@ -153,7 +197,9 @@ def _clean_name(member: tarfile.TarInfo) -> str:
     return "/".join(parts)
 
 
-def _check_members(members: list[tarfile.TarInfo], max_bytes: int) -> list[str]:
+def check_members(members: list[tarfile.TarInfo], max_bytes: int) -> list[str]:
+    """Refuses (``UnsafeArchive``, naming the member) the first unsafe member, or more than
+    ``max_bytes`` bytes of files in all; returns the members' cleaned names."""
     names = [_clean_name(m) for m in members]
     links = {name: m.linkname for name, m in zip(names, members, strict=True) if m.issym()}
     regular: set[str] = set()
@@ -227,7 +273,15 @@ def _resolve_inside(
     return stack
 
 
-def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], names: list[str], dest: Path) -> list[str]:
+def write_members(
+    members: list[tarfile.TarInfo],
+    names: list[str],
+    dest: Path,
+    open_member: Callable[[tarfile.TarInfo], BinaryIO],
+) -> list[str]:
+    """Writes members that ``check_members`` passed (``names`` as it returned them) under ``dest``:
+    folders, then files (O_EXCL, O_NOFOLLOW; bytes from ``open_member``), links last, so nothing is
+    ever written through a link. Returns the files and links written, sorted."""
     dest.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
     later: list[tuple[str, tarfile.TarInfo]] = []
@@ -239,7 +293,7 @@ def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], names: list[s
             path.mkdir(parents=True, exist_ok=True)
         elif member.isreg():
             path.parent.mkdir(parents=True, exist_ok=True)
-            source = tar.extractfile(member)
+            source = open_member(member)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as handle:
                 while chunk := source.read(1 << 20):

@@ -29,3 +29,7 @@ def test_bench_store_sample_preset_writes_sane_figures(tmp_path):
     assert figures["weights_sum_to_one"] is True
     assert figures["naive_layout_bytes_ratio"] > 1  # our layout stores fewer bytes than the naive one
     assert all(figures["consistency"].values()), figures["consistency"]
+    # the snapshot section: a group of executions of one problem shares its template's blobs
+    assert figures["snapshot_group_size"] == 8 and figures["snapshot_dedup_ratio"] > 1
+    assert 0 < figures["snapshot_bytes_over_targz"] < figures["snapshot_first_bytes_over_targz"]
+    assert figures["snapshot_dedup_saved"] == pytest.approx(1 - 1 / figures["snapshot_dedup_ratio"])

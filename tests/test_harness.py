@@ -20,8 +20,11 @@ from environments.problems import Problem, grade_workspace
 from environments.problems.checks import compile_check
 from environments.sandbox import Sandbox
 from environments.snapshot import extract_snapshot
+from environments.snapshot_rows import export_snapshot
 from tests.scripted_engine import scripted_stack, tool_call
 from tests.test_gateway_fixtures import ADMIN_TOKEN
+from trajectory_store.db import connect, read_only_query
+from trajectory_store.snapshots import SnapshotStore
 from trajectory_store.storage import Store
 
 pytestmark = pytest.mark.slow
@@ -189,8 +192,19 @@ def test_timeout_is_graded_from_the_workspace_snapshot(tmp_path):
     assert outcome.calls >= 2
     [row] = [e for e in executions if e["execution_id"] == outcome.execution_id]
     assert row["status"] == "timeout" and row["reward"] == 0.5 and row["snapshot_uri"] == outcome.snapshot_uri
-    data = Path(outcome.snapshot_uri).read_bytes()
+    # graded from Parquet rows: the snapshot part, its blobs, and the problem's template beside it
+    assert "/snapshots/step=0/" in outcome.snapshot_uri and outcome.snapshot_uri.endswith(".parquet")
+    store = Store(stack.store_config)
+    assert not store.fs.exists(store.path("snapshots", f"{outcome.execution_id}.tar.gz"))  # no second copy
+    data = export_snapshot(SnapshotStore(store), outcome.snapshot_uri)
     assert sorted(extract_snapshot(data, tmp_path / "check")) == ["README.md", "a.txt"]
+    con = connect(store, read_only=True)
+    changes = read_only_query(
+        con,
+        "SELECT c.path, c.change, f.text, e.reward FROM snapshot_changes c JOIN executions e USING (execution_id) "
+        "LEFT JOIN snapshot_files f USING (execution_id, path) ORDER BY c.path",
+    ).fetchall()
+    assert changes == [("README.md", "unchanged", "two files\n", 0.5), ("a.txt", "added", "alpha\n", 0.5)]
 
 
 def test_crash_grader_failure_and_success_are_all_recorded(tmp_path):
@@ -211,6 +225,7 @@ def test_crash_grader_failure_and_success_are_all_recorded(tmp_path):
             tmp_path,
             grader_retries=1,
             durations=DurationProfile(short_turns=5, long_fraction=0.0),
+            snapshot_completed=True,  # final workspaces stored too, comparable with timed-out ones
         )
         # a harness that dies: an external command that exits 1 after printing
         [crashed] = _dispatch(
@@ -231,6 +246,17 @@ def test_crash_grader_failure_and_success_are_all_recorded(tmp_path):
         "eval_failed",
         "error",
     }
+    assert crashed.snapshot_uri is None and rows[by_problem["good"].execution_id]["snapshot_uri"]
+    con = connect(Store(stack.store_config), read_only=True)
+    final = read_only_query(
+        con, "SELECT problem_id, source, path, change FROM snapshot_changes ORDER BY ALL"
+    ).fetchall()
+    assert final == [
+        ("bad-grader", "final", "README.md", "unchanged"),
+        ("bad-grader", "final", "a.txt", "added"),
+        ("good", "final", "README.md", "unchanged"),
+        ("good", "final", "a.txt", "added"),
+    ]
 
 
 EXTERNAL_AGENT = """

@@ -5,7 +5,8 @@
 
 Views (trajectory_store/sql/*.sql, run in name order): executions, calls, metrics, call_segments,
 call_prompts, policy_spans, tree_nodes, call_path_policy, trajectories, selected_trajectories,
-training_nodes, training_tokens, execution_stats. Selection settings live in the small tables
+training_nodes, training_tokens, execution_stats, and over workspace snapshots snapshots,
+snapshot_files, snapshot_changes, blobs (07_snapshots.sql). Selection settings live in the small tables
 selection_config, role_priority and trainable_statuses, which users can read too.
 
 ``connect(store, read_only=True)`` + ``read_only_query`` is what `gyre sql` runs user SQL on: the
@@ -41,6 +42,10 @@ VIEWS = (
     "training_nodes",
     "training_tokens",
     "execution_stats",
+    "snapshots",
+    "snapshot_files",
+    "snapshot_changes",
+    "blobs",
 )
 
 

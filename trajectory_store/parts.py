@@ -46,6 +46,8 @@ REQUIRED_COLUMNS = {
     ),
     "executions": ("execution_id", "status"),
     "metrics": ("step", "name", "value"),
+    "snapshots": ("snapshot_id", "source", "path", "kind", "mode", "size"),
+    "blobs": ("sha256", "size"),  # not data: the check at connect must not read every blob
 }
 
 # DuckDB errors that an unreadable part can cause; a bare duckdb.Error ("invalid TType") too. Errors

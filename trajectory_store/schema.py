@@ -1,11 +1,15 @@
 """Arrow schemas of the trajectory store and the validation of records on their way in and out.
 
-Three datasets live under ``<data_root>/campaigns/<campaign>/`` (DESIGN.md section 4):
+Five datasets live under ``<data_root>/campaigns/<campaign>/`` (DESIGN.md section 4):
 
 - ``executions``: one row per agent execution (status, reward, where the reward came from).
 - ``calls``: one row per model call, delta-encoded against the earlier call of the same execution
   that shares the longest prefix with it, so storage grows with unique tokens, not calls x context.
 - ``metrics``: one row per measured figure (step timings, cell role changes, ...).
+- ``snapshots``: one row per entry (file, folder, symlink) of a workspace snapshot: a timed-out
+  execution's workspace, optionally a completed one's, and the problem's starting workspace (a
+  ``template`` snapshot) to compare them with; file contents by sha256 into ``blobs``.
+- ``blobs``: content-addressed file contents (sha256 -> bytes), each stored once (snapshots.py).
 
 Every row carries ``schema_version``. Validation is plain Python over numpy arrays (a record can hold
 a million token ids, so no per-element model objects): a bad record raises :class:`RecordError`,
@@ -92,7 +96,50 @@ METRICS_SCHEMA = pa.schema(
     ]
 )
 
-SCHEMAS = {"executions": EXECUTIONS_SCHEMA, "calls": CALLS_SCHEMA, "metrics": METRICS_SCHEMA}
+SnapshotSource = Literal["timeout", "final", "template"]
+"""What a snapshot holds: a timed-out execution's workspace, a completed execution's final one, or a
+problem's starting workspace (its template: execution_id is NULL)."""
+EntryKind = Literal["file", "dir", "symlink"]
+"""What one snapshot entry is (nothing else is ever stored; hard links are stored as files)."""
+SNAPSHOT_SOURCES: tuple[str, ...] = get_args(SnapshotSource)
+ENTRY_KINDS: tuple[str, ...] = get_args(EntryKind)
+
+SNAPSHOTS_SCHEMA = pa.schema(
+    [
+        # digest of the snapshot's entries (path, kind, mode, size, sha256, link_target): the same
+        # tree has the same id, whoever it belongs to
+        pa.field("snapshot_id", pa.string(), nullable=False),
+        pa.field("execution_id", pa.string()),  # NULL for a template
+        pa.field("problem_id", pa.string()),
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),  # SnapshotSource
+        pa.field("template_id", pa.string()),  # snapshot_id of the problem's starting workspace
+        pa.field("path", pa.string(), nullable=False),  # relative, '/'-separated, no '.' or '..'
+        pa.field("kind", pa.string(), nullable=False),  # EntryKind
+        pa.field("mode", pa.int32(), nullable=False),  # 0o644 or 0o755 (files), 0o755 (dirs), 0o777 (links)
+        pa.field("size", pa.int64(), nullable=False),  # bytes of a file, 0 otherwise
+        pa.field("sha256", pa.string()),  # of a file's bytes: the key into blobs; NULL otherwise
+        pa.field("link_target", pa.string()),  # a symlink's relative target; NULL otherwise
+        pa.field("schema_version", pa.int16(), nullable=False),
+    ]
+)
+
+BLOBS_SCHEMA = pa.schema(
+    [
+        pa.field("sha256", pa.string(), nullable=False),
+        pa.field("size", pa.int64(), nullable=False),
+        pa.field("data", pa.large_binary(), nullable=False),
+        pa.field("schema_version", pa.int16(), nullable=False),
+    ]
+)
+
+SCHEMAS = {
+    "executions": EXECUTIONS_SCHEMA,
+    "calls": CALLS_SCHEMA,
+    "metrics": METRICS_SCHEMA,
+    "snapshots": SNAPSHOTS_SCHEMA,
+    "blobs": BLOBS_SCHEMA,
+}
 
 
 class RecordError(ValueError):

@@ -9,7 +9,10 @@ Layout under ``<data_root>/campaigns/<campaign>/``::
     quarantine/step=<n>/<key>.jsonl          records that failed validation, with the reason
     quarantine/parts/<kind>/step=<n>/…       unreadable parts moved aside by `gyre traj check
                                              --quarantine`, each with a .json saying why (parts.py)
-    snapshots/<execution_id>.tar.gz          workspace snapshots (later issues)
+    snapshots/step=<n>/part-<key>.parquet    workspace snapshots, one per part, one row per entry
+                                             (snapshots.py; schema.SNAPSHOTS_SCHEMA)
+    blobs/step=<n>/part-<key>.parquet        their file contents, each sha256 stored once
+    snapshots/<execution_id>.tar.gz          the first snapshot format (still read; no longer written)
 
 Readers only see parts listed by a manifest, so a crash between writes leaves nothing partial
 visible. Keys derive from ids (never time or randomness): writing the same rows twice writes the
@@ -36,7 +39,7 @@ from pydantic import BaseModel, Field
 
 from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, check_table
 
-KINDS = ("executions", "calls", "metrics")
+KINDS = ("executions", "calls", "metrics", "snapshots", "blobs")
 QUARANTINED_PARTS = "quarantine/parts"  # under the campaign folder
 
 
