@@ -48,6 +48,11 @@ def add_rollout_parser(commands) -> None:
     rollout.add_argument("--long-fraction", type=float, default=0.2, help="executions with 10-50x the turns")
     rollout.add_argument("--step", type=int, default=0, help="the step the executions are recorded at")
     rollout.add_argument(
+        "--snapshot-completed",
+        action="store_true",
+        help="store completed executions' final workspaces too (timeouts are always snapshotted)",
+    )
+    rollout.add_argument(
         "--run-id",
         default=None,
         help="appended to every execution id (s0-<problem>-g0-<run id>); default: a fresh one per run, so "
@@ -171,6 +176,7 @@ def run_rollout_command(args: argparse.Namespace) -> int:
         durations=DurationProfile(short_turns=args.turns, long_fraction=args.long_fraction),
         harness_command=shlex.split(args.harness_command) if args.harness_command else None,
         run_id=run_id,
+        snapshot_completed=args.snapshot_completed,
     )
     progress = sys.stderr if args.format == "json" else sys.stdout
     gateway, token = gateway_of(args)

@@ -40,6 +40,20 @@ from pydantic import BaseModel, Field
 from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, check_table
 
 KINDS = ("executions", "calls", "metrics", "snapshots", "blobs")
+# Parquet writer options beyond the defaults, per dataset. A snapshot part holds one small snapshot:
+# statistics only where queries filter, dictionaries only for columns that repeat, no Arrow schema
+# copy (its types read back the same), which halves the fixed cost of a part (~5 KB -> ~2.5 KB).
+# Blobs: statistics on the key only (never min/max of file contents), no dictionary of unique values,
+# and zstd at level 9 (written once, read rarely: 7% fewer bytes than the default level on the bench).
+PART_OPTIONS: dict[str, dict[str, Any]] = {
+    "snapshots": {
+        "write_statistics": ["execution_id", "problem_id", "step"],
+        "use_dictionary": ["snapshot_id", "execution_id", "problem_id", "source", "template_id", "kind"],
+        "store_schema": False,
+    },
+    "blobs": {"write_statistics": ["sha256"], "use_dictionary": False},
+}
+ZSTD_LEVELS = {"blobs": 9}
 QUARANTINED_PARTS = "quarantine/parts"  # under the campaign folder
 
 
@@ -149,7 +163,12 @@ class Store:
         table = table.cast(SCHEMAS[kind])
         buffer = io.BytesIO()
         # page checksums let `gyre traj check` find flipped bits that would otherwise decode quietly
-        pq.write_table(table, buffer, compression=self.config.compression, write_page_checksum=True)
+        options = dict(PART_OPTIONS.get(kind, {}))
+        if self.config.compression == "zstd" and kind in ZSTD_LEVELS:
+            options["compression_level"] = ZSTD_LEVELS[kind]
+        pq.write_table(
+            table, buffer, compression=self.config.compression, write_page_checksum=True, **options
+        )
         rel = f"{kind}/step={step}/part-{key}.parquet"
         path = self.path(rel)
         data = buffer.getvalue()
