@@ -1,9 +1,14 @@
-"""The scheduling benchmark in simulation: elastic against colocate and a tuned async split.
+"""The scheduling benchmark: elastic against colocate and a tuned async split, in simulation at
+paper scale and for real on this machine's CPU, in one invocation.
 
-    gyre bench schedule                          # every preset, 48 steps (a few minutes)
-    gyre bench schedule --quick                  # short campaigns (seconds)
-    gyre bench schedule --preset paper-flagship  # one preset
-    python -m bench.schedule [--quick] [--preset NAME] [--out bench/results/schedule.json]
+    gyre bench schedule                          # every preset (48 steps) + the real runs (~15 min)
+    gyre bench schedule --quick                  # short campaigns + short real runs (~7 min)
+    gyre bench schedule --sim-only [--preset paper-flagship]   # simulation alone (seconds)
+    python -m bench.schedule [--quick] [--sim-only] [--preset NAME] [--out bench/results/schedule.json]
+
+The real part (bench/schedule_real.py): the three policies on the same problems and the same four
+cells, then the simulator calibrated on a colocate run of other problems predicting each real
+makespan (sim_vs_real_error).
 
 Every policy runs on the SAME sampled work (one seed per preset) and the same cells
 (sim/presets.py documents each preset's assumptions). Rows:
@@ -16,7 +21,10 @@ Every policy runs on the SAME sampled work (one seed per preset) and the same ce
 Each row reads against its lower bound (sim/run.py `lower_bound`: work over all cells, and the
 chain of longest executions the policy's depth allows). Prints a table and writes JSON:
 presets.<name>.policies.<policy> (figures), presets.<name>.async_split, and per preset
-elastic_over_async, elastic_over_colocate and elastic_sync_over_colocate (makespan ratios).
+elastic_over_async, elastic_over_colocate and elastic_sync_over_colocate (makespan ratios); the
+headline keys: paper.{speedup_vs_async, speedup_vs_colocate, over_lower_bound} (paper-flagship),
+real.{speedup_vs_async, speedup_vs_colocate, reward_by_policy, makespan_s, ...}, sim_vs_real_error,
+switch_s.{to_train_p50, to_rollout_p50, ...} (measured on the real cells).
 """
 
 from __future__ import annotations
@@ -92,7 +100,25 @@ def print_preset(name: str, figures: dict) -> None:
     )
 
 
-def main(quick: bool = False, out: str = DEFAULT_OUT, preset: str | None = None) -> int:
+def print_real(real: dict) -> None:
+    print(
+        f"{'policy':<10}{'makespan':>10}{'sim':>9}{'error':>8}{'switches':>10}{'train share':>13}{'reward':>8}"
+    )
+    for label, row in real["policies"].items():
+        sim = real["sim_vs_real"][label]
+        print(
+            f"{label:<10}{row['makespan_s']:>9.1f}s{sim['sim_s']:>8.1f}s{sim['error']:>8.1%}{row['switches']:>10}"
+            f"{row['role_share']['train']:>13.2f}{row['mean_reward']:>8.3f}"
+        )
+    switch = real["switch_s"]
+    print(
+        f"real: elastic over async {real['speedup_vs_async']:.3f}x, over colocate {real['speedup_vs_colocate']:.3f}x; "
+        f"switch to train p50 {switch['to_train_p50']} s, to rollout p50 {switch['to_rollout_p50']} s; "
+        f"sim vs real error (max) {real['sim_vs_real_error']:.1%}"
+    )
+
+
+def main(quick: bool = False, out: str = DEFAULT_OUT, preset: str | None = None, real: bool = True) -> int:
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
     names = [preset] if preset else list(PRESETS)
@@ -104,7 +130,24 @@ def main(quick: bool = False, out: str = DEFAULT_OUT, preset: str | None = None)
             chosen = dataclasses.replace(chosen, steps=min(chosen.steps, QUICK_STEPS.get(name, 4)))
         results[name] = run_preset(chosen)
         print_preset(name, results[name])
-    report = {"quick": quick, "wall_s": round(time.perf_counter() - started, 1), "presets": results}
+    report: dict = {"quick": quick}
+    if "paper-flagship" in results:
+        flagship = results["paper-flagship"]
+        report["paper"] = {
+            "speedup_vs_async": flagship["elastic_over_async"],
+            "speedup_vs_colocate": flagship["elastic_over_colocate"],
+            "over_lower_bound": flagship["policies"]["elastic"]["over_lower_bound"],
+        }
+    if real:
+        from bench.schedule_real import compare  # starts engines, the gateway and replica processes
+
+        print("\nreal: the three policies on this machine's CPU (same problems, same 4 cells)", flush=True)
+        report["real"] = compare(quick)
+        report["sim_vs_real_error"] = report["real"]["sim_vs_real_error"]
+        report["switch_s"] = report["real"]["switch_s"]
+        print_real(report["real"])
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    report["presets"] = results
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"\nwrote {out} ({report['wall_s']} s)")
@@ -116,5 +159,6 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--preset", choices=list(PRESETS), default=None)
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--sim-only", action="store_true", help="skip the real runs")
     args = parser.parse_args()
-    sys.exit(main(args.quick, args.out, args.preset))
+    sys.exit(main(args.quick, args.out, args.preset, real=not args.sim_only))

@@ -23,7 +23,8 @@
     gyre engine --model DIR [--port 8100]              one rollout engine's token-id server
     gyre bench store|train|engine|rollout|learn [--quick]  the benchmarks (figures printed and in bench/results/)
     gyre bench ui [--out bench/results/ui.png]         a screenshot of a campaign in the Prefect UI
-    gyre bench schedule [--quick] [--preset NAME]      elastic vs colocate vs async, simulated, against the bound
+    gyre bench schedule [--quick] [--sim-only]         elastic vs colocate vs async: simulated at paper scale + real on CPU
+    gyre sim [--preset NAME] [--set KEY=VALUE ...]     one simulated comparison of the three policies, against the bound
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
 works, with the standard AWS variables or --s3-endpoint-url) and --campaign NAME (default
@@ -167,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_bench_parser(bench_commands)
     campaign.add_campaign_parsers(commands, bench_commands)
     schedule.add_schedule_parser(bench_commands)
+    schedule.add_sim_parser(commands)
     _show_defaults(parser)
     return parser
 
@@ -223,6 +225,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return bench_store(quick=args.quick, out=args.out)
     if args.command == "bench" and args.bench_command == "schedule":
         return schedule.run(args)
+    if args.command == "sim":
+        return schedule.run_sim(args)
     if args.command == "bench" and args.bench_command == "train":
         from bench.train import main as bench_train
 

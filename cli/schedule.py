@@ -1,6 +1,6 @@
 """`gyre bench schedule`: the three scheduling policies on the same simulated work (bench/schedule.py).
 
-gyre bench schedule [--quick] [--preset paper-flagship|cpu-small|cpu-small-tail] [--out PATH]
+gyre bench schedule [--quick] [--sim-only] [--preset paper-flagship|cpu-small|cpu-small-tail] [--out PATH]
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ PRESET_NAMES = ["paper-flagship", "cpu-small", "cpu-small-tail"]  # sim/presets.
 def add_schedule_parser(bench_commands) -> None:
     schedule = bench_commands.add_parser(
         "schedule",
-        help="scheduling in simulation: elastic vs colocate vs a tuned async split, against the bound",
+        help="scheduling: elastic vs colocate vs a tuned async split, simulated at paper scale and run "
+        "for real on this machine's CPU",
     )
-    schedule.add_argument("--quick", action="store_true", help="short campaigns (seconds)")
+    schedule.add_argument("--quick", action="store_true", help="short campaigns, short real runs")
+    schedule.add_argument("--sim-only", action="store_true", help="simulation alone (no real runs)")
     schedule.add_argument("--preset", choices=PRESET_NAMES, default=None, help="one preset (default: all)")
     schedule.add_argument("--out", default=DEFAULT_OUT, help="where the figures go (JSON)")
 
@@ -24,4 +26,37 @@ def add_schedule_parser(bench_commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from bench.schedule import main as bench_schedule  # numpy and the simulator: only when asked for
 
-    return bench_schedule(quick=args.quick, out=args.out, preset=args.preset)
+    return bench_schedule(quick=args.quick, out=args.out, preset=args.preset, real=not args.sim_only)
+
+
+def add_sim_parser(commands) -> None:
+    sim = commands.add_parser(
+        "sim",
+        help="one simulated campaign per policy (elastic, colocate, the best async split) on the same work",
+    )
+    sim.add_argument("--preset", choices=PRESET_NAMES, default="paper-flagship", help="the modelled campaign")
+    sim.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the preset: steps=8, cluster.cells=512, engine.sessions_per_cell=4, "
+        "trainer.tokens_per_s=8000, to_train_s=20, elastic.min_dwell_s=300 (repeatable)",
+    )
+    sim.add_argument("--out", default=None, help="also write the figures here (JSON)")
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.schedule import print_preset, run_preset
+    from sim.presets import PRESETS, with_settings
+
+    preset = with_settings(PRESETS[args.preset], args.settings)
+    figures = run_preset(preset)
+    print_preset(preset.name, figures)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(figures, handle, indent=1)
+    return 0

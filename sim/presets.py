@@ -34,7 +34,7 @@ Presets (`PRESETS`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 import numpy as np
 
@@ -270,3 +270,45 @@ CPU_SMALL_TAIL = Preset(
 )
 
 PRESETS = {p.name: p for p in (PAPER_FLAGSHIP, CPU_SMALL, CPU_SMALL_TAIL)}
+
+
+def with_settings(preset: Preset, settings: list[str]) -> Preset:
+    """`preset` with `key=value` settings applied: a field (`steps=8`), a field of a part
+    (`cluster.cells=512`, `engine.sessions_per_cell=4`, `trainer.tokens_per_s=8000`), or an elastic
+    policy setting (`elastic.min_dwell_s=300`). Values are parsed as the field's type."""
+    for setting in settings:
+        key, sep, raw = setting.partition("=")
+        if not sep:
+            raise ValueError(f"--set {setting!r}: expected key=value (e.g. cluster.cells=512)")
+        head, _, leaf = key.partition(".")
+        if head == "elastic" and leaf:
+            preset = replace(preset, elastic={**preset.elastic, leaf: float(raw)})
+            continue
+        if head not in {f.name for f in fields(preset)}:
+            raise ValueError(f"--set {key}: {preset.name} has no field {head!r}")
+        current = getattr(preset, head)
+        if leaf:
+            if not is_dataclass(current) or leaf not in {f.name for f in fields(current)}:
+                raise ValueError(f"--set {key}: {head} has no field {leaf!r}")
+            value = _parse(raw, getattr(current, leaf), key)
+            preset = replace(preset, **{head: replace(current, **{leaf: value})})
+        else:
+            preset = replace(preset, **{head: _parse(raw, current, key)})
+    return preset
+
+
+def _parse(raw: str, current: object, key: str) -> object:
+    try:
+        if isinstance(current, bool):
+            return raw.lower() in {"1", "true", "yes"}
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float) or current is None:
+            return float(raw)
+        if isinstance(current, str):
+            return raw
+    except ValueError:
+        raise ValueError(f"--set {key}={raw}: not a {type(current).__name__}") from None
+    if isinstance(current, tuple):
+        return tuple(int(x) for x in raw.split(","))
+    raise ValueError(f"--set {key}: its value ({type(current).__name__}) cannot be set from the command line")

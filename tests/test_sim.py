@@ -69,7 +69,9 @@ def test_the_flagship_workload_is_shaped_like_the_paper():
 
 def test_gyre_bench_schedule_quick_writes_its_json(tmp_path):
     out = tmp_path / "schedule.json"
-    assert gyre(["bench", "schedule", "--quick", "--preset", "cpu-small", "--out", str(out)]) == 0
+    assert (
+        gyre(["bench", "schedule", "--quick", "--sim-only", "--preset", "cpu-small", "--out", str(out)]) == 0
+    )
     report = json.loads(out.read_text())
     figures = report["presets"]["cpu-small"]
     assert set(figures["policies"]) == {"colocate", "async", "elastic", "elastic-sync"}

@@ -396,7 +396,10 @@ def test_a_corrupt_part_is_named_then_quarantined_and_the_rest_stays_queryable(
     rows = sql_json(store_args, COUNT_SQL, capsys)
     assert [[r["execution_id"], r["n"]] for r in rows] == SAMPLE_COUNTS[:2]
     assert main(["traj", "check", *store_args]) == 0
-    assert "every part reads whole (executions 2, calls 1, metrics 0, snapshots 0, blobs 0)" in capsys.readouterr().out
+    assert (
+        "every part reads whole (executions 2, calls 1, metrics 0, snapshots 0, blobs 0)"
+        in capsys.readouterr().out
+    )
 
 
 def test_check_finds_a_flipped_bit_that_duckdb_reads_without_error(tmp_path):

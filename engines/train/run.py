@@ -3,6 +3,8 @@ checkpoint, publish the new policy version.
 
     python -m engines.train.run < request.json     # TrainStepRequest as JSON on stdin
                                                    # -> TrainStepReport as JSON, the last stdout line
+    python -m engines.train.run --serve            # a request per stdin line, a report per stdout line;
+                                                   # the core stays in memory between steps
 
 The campaign's train task starts this process for every step (tasks/train.py). Everything the step
 needs is in the request and in storage, so a step whose trainer died is retried by running the
@@ -52,6 +54,12 @@ class TrainStepRequest(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     threads: int = Field(1, ge=1, description="torch threads")
     seed: int = Field(0, description="the campaign seed (the step's RNG derives from it and the step)")
+    stream: bool = Field(
+        False,
+        description="open a streaming step instead of reading batch_uri: print its address as one JSON "
+        'line {"stream": {host, port, step}} and train the micro-batches a producer appends until it '
+        "closes the step (engines/train/stream.py); satellites may join and leave meanwhile",
+    )
 
 
 class TrainStepReport(BaseModel):
@@ -86,8 +94,8 @@ def _load_rng(url: str) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def train_step(request: TrainStepRequest) -> TrainStepReport:
-    started = time.perf_counter()
+def restore(request: TrainStepRequest) -> CoreTrainer:
+    """The core at the start of ``request.step``: the starting policy, or the previous checkpoint."""
     torch.set_num_threads(request.threads)
     if request.resume_from is None:
         if request.step != 0:
@@ -97,12 +105,24 @@ def train_step(request: TrainStepRequest) -> TrainStepReport:
         random.seed(request.seed)
         np.random.seed(request.seed % 2**32)
         torch.manual_seed(request.seed)
-        core = CoreTrainer(load_model(request.init_model, dtype="float32"), request.trainer)
-    else:
-        hf = request.resume_from.rstrip("/") + "/hf"
-        core = CoreTrainer(load_model(hf, dtype="float32"), request.trainer)
-        core.load_checkpoint(request.resume_from)
-        _load_rng(request.resume_from)
+        return CoreTrainer(load_model(request.init_model, dtype="float32"), request.trainer)
+    hf = request.resume_from.rstrip("/") + "/hf"
+    core = CoreTrainer(load_model(hf, dtype="float32"), request.trainer)
+    core.load_checkpoint(request.resume_from)
+    _load_rng(request.resume_from)
+    return core
+
+
+def train_step(request: TrainStepRequest) -> TrainStepReport:
+    return step_with(request, None)[0]
+
+
+def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[TrainStepReport, CoreTrainer]:
+    """One step, and the core after it; ``core`` (kept by a serving process) is used when it is at
+    the request's step, else the core is restored."""
+    started = time.perf_counter()
+    if core is None or core.step != request.step:
+        core = restore(request)
     if core.step != request.step or core.version != request.step:
         raise ValueError(
             f"the checkpoint {request.resume_from} is at step {core.step} (version {core.version}); "
@@ -110,7 +130,17 @@ def train_step(request: TrainStepRequest) -> TrainStepReport:
         )
     metrics: dict[str, float] = {}
     trained = bool(request.batch_uri and request.n_executions)
-    if trained:
+    if request.stream:
+        coordinator = ElasticCoordinator(core)
+        try:
+            step = coordinator.open_step(request.step, weights_dir=request.fast_dir)
+            host, port, number = step.address
+            print(json.dumps({"stream": {"host": host, "port": port, "step": number}}), flush=True)
+            report = step.train()
+        finally:
+            coordinator.close()
+        trained, metrics = report.trained, report.metrics()
+    elif trained:
         fs, path = fsspec.core.url_to_fs(request.batch_uri)
         with fs.open(path, "rb") as handle:
             sequences = table_to_sequences(pq.read_table(handle))
@@ -144,10 +174,26 @@ def train_step(request: TrainStepRequest) -> TrainStepReport:
         policy_uri=published.uri,
         policy_path=published.local_path,
         seconds=time.perf_counter() - started,
-    )
+    ), core
+
+
+def serve() -> int:
+    """``--serve``: one request per stdin line, one step each, the core kept in memory between steps
+    (the scheduler's trainer: no restore and no start-up per step); each report is one stdout line."""
+    core = None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = TrainStepRequest.model_validate_json(line)
+        os.makedirs(request.fast_dir, exist_ok=True)
+        report, core = step_with(request, core)
+        print(json.dumps(report.model_dump()), flush=True)
+    return 0
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--serve"]:
+        return serve()
     request = TrainStepRequest.model_validate_json(sys.stdin.read())
     os.makedirs(request.fast_dir, exist_ok=True)
     report = train_step(request)

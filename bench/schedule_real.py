@@ -1,0 +1,364 @@
+"""The three scheduling policies for real, on this machine's CPU: the same cells, the same work.
+
+    python -m bench.schedule_real [--quick]     # also part of `gyre bench schedule` (its `real` key)
+
+One serving stack (an engine per cell, one torch thread each, the gateway) and one `CellPool` (a
+replica process per non-core cell) serve every policy in turn; each policy runs the same steps of
+the same problems (heavy-tailed executions: a quarter of them run 3-6 times the turns of the rest)
+as its own campaign in one data root, starting from the shipped warm start, with the controller of
+scheduler/controller.py deciding roles and dispatch every tick. Between policies every cell goes
+back to rollout and every engine back to version 0.
+
+Figures per policy: makespan (first dispatch to the last step's published version), switches and
+their latency per phase, the share of cell-seconds in each role, executions, mean rollout reward
+(the reward of the executions each campaign trained on: the policies must not differ in what they
+learn from, only in when), and the steps' figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engines.train.config import TrainerConfig
+from environments.dispatch import DispatchConfig, DurationProfile, execution_id_for
+from environments.harness import HarnessConfig
+from environments.problems import Problem
+from scheduler.cells import Admin, CellPool, CellSpec
+from scheduler.controller import Controller, RunReport, StepWork
+from scheduler.policy import make_policy
+from sim.calibrate import Execution, MeasuredRun, calibrate, predict
+from tasks.campaign import problems_for
+from tasks.schedule import CampaignRuntime
+from tasks.services import Services, serve_version
+from tasks.stack import local_stack
+from trajectory_store.config import PackingConfig, SelectionConfig
+from trajectory_store.db import connect
+from trajectory_store.storage import Store, StoreConfig
+
+POLICY = "data/policies/tiny-sft"
+CELLS = 4
+SESSIONS_PER_CELL = 2
+SUITES = ["terminal", "repo", "swe"]
+DURATIONS = DurationProfile(short_turns=3, long_fraction=0.25, long_factor=(3.0, 6.0))
+MAX_TOKENS = 96
+
+# The policies as compared: elastic and async keep two steps in flight (lag <= 1), colocate one.
+# On CPU the training backlog is not estimated (train_backlog_s is 0), so elastic's "does the switch
+# pay" test is off (gain_factor 0): it moves whenever the rollout capacity left covers the work.
+POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "colocate": ("colocate", {}),
+    "async": ("async", {"train_cells": 1, "max_policy_lag": 1}),
+    "elastic": ("elastic", {"depth": 2, "max_policy_lag": 1, "min_dwell_s": 2.0, "gain_factor": 0.0}),
+}
+
+
+@dataclass(frozen=True)
+class RealWork:
+    steps: int
+    problems_per_step: int
+    group_size: int
+    seed: int
+
+    def steps_work(self) -> list[StepWork]:
+        return [
+            StepWork(
+                step,
+                [p.to_json() for p in problems_for(SUITES, self.problems_per_step, self.seed + step, 1, 1)],
+                self.group_size,
+            )
+            for step in range(self.steps)
+        ]
+
+
+def dispatch_config(group_size: int, run_id: str) -> DispatchConfig:
+    return DispatchConfig(
+        group_size=group_size,
+        run_id=run_id,  # one gateway serves every policy: execution ids must differ between them
+        concurrency=1,  # the controller starts each execution itself
+        timeout_s=120,
+        durations=DURATIONS,
+        harness=HarnessConfig(max_tokens=MAX_TOKENS, max_retries=1, max_subagents=0, temperature=1.0),
+    )
+
+
+class RealBench:
+    """The stack and the pool, started once, and one policy's campaign at a time on them."""
+
+    def __init__(self, root: str, model: str = POLICY, cells: int = CELLS):
+        self.root, self.model, self.cells = root, model, cells
+        self.store = StoreConfig(data_root=os.path.join(root, "data"))
+
+    def __enter__(self) -> RealBench:
+        started = time.perf_counter()
+        self._stack = local_stack(
+            self.model, self.store, engines=self.cells, threads=1, dtype="float32", max_batch_size=8
+        )
+        stack = self._stack.__enter__()
+        self.stack = stack
+        admin = Admin(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
+        engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
+        specs = [
+            CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(stack.engine_urls)
+        ]
+        self.pool = CellPool(admin, specs, self.model, threads=1)
+        self.start_s = time.perf_counter() - started
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.pool.close()
+        finally:
+            self._stack.__exit__(*exc)
+
+    def services(self, campaign: str) -> Services:
+        target = Store(StoreConfig(data_root=self.store.data_root, campaign=campaign))
+        fast = os.path.join(self.root, f"fast-{campaign}")
+        os.makedirs(fast, exist_ok=True)
+        return Services(
+            gateway_url=self.stack.gateway_url,
+            admin_token=self.stack.admin_token,
+            engine_urls=self.stack.engine_urls,
+            engine_admin_token=self.stack.engine_admin_token,
+            policy_root=target.url(target.campaign_dir),
+            fast_dir=fast,
+        )
+
+    def reset(self, services: Services) -> None:
+        """Every cell serving version 0 (the warm start), as at the start of a campaign."""
+        for cell in self.pool.cells.values():
+            if cell.role == "train":
+                self.pool.to_rollout(cell.spec.cell_id, 0, self.model)
+        serve_version(services, self.stack.engine_urls, 0, self.model)
+        self.pool.switches = []
+
+    def run(self, label: str, policy: str, params: dict[str, Any], work: RealWork) -> dict[str, Any]:
+        """One policy's campaign on `work`; its figures, and (key `measured`) its executions as the
+        simulator's calibration reads them."""
+        campaign = f"schedule-{label}"
+        services = self.services(campaign)
+        self.reset(services)
+        runtime = CampaignRuntime(
+            services,
+            StoreConfig(data_root=self.store.data_root, campaign=campaign),
+            dispatch_config(work.group_size, label),
+            SelectionConfig(),
+            PackingConfig(token_budget=8192, advantage="grpo"),
+            TrainerConfig(lr=1e-4),
+            self.model,
+            max_policy_lag=1,
+            trainer_threads=1,
+        )
+        controller = Controller(
+            make_policy(policy, **params), self.pool, runtime, sessions_per_cell=SESSIONS_PER_CELL
+        )
+        try:
+            report = asyncio.run(controller.run(work.steps_work(), start_version=0))
+        finally:
+            runtime.close()
+        figures = report.figures()
+        figures.update(
+            policy=label,
+            params=params,
+            errors=controller.errors,
+            role_share=role_share(report),
+            switch_phases=phases(report),
+            timeline=[(round(t, 2), cell, role) for t, cell, role in report.timeline],
+        )
+        figures["measured"] = self.measured(label, campaign, work, figures)
+        return figures
+
+    def measured(self, label: str, campaign: str, work: RealWork, figures: dict[str, Any]) -> MeasuredRun:
+        """The run's executions from its store (turns, tokens, call and wall time), in dispatch order."""
+        con = connect(Store(StoreConfig(data_root=self.store.data_root, campaign=campaign)))
+        rows = con.execute(
+            """
+            SELECT e.execution_id, e.group_id, e.reward, e.ended_at - e.started_at,
+                   list(c.output_len ORDER BY c.call_id), list(c.prompt_len ORDER BY c.call_id),
+                   coalesce(sum(c.t_end - c.t_start), 0), coalesce(sum(c.prompt_len + c.output_len - c.prefix_len), 0)
+            FROM executions e LEFT JOIN calls c USING (execution_id)
+            GROUP BY ALL
+            """
+        ).fetchall()
+        con.close()
+        by_id = {r[0]: r for r in rows}
+        rewards: dict[str, set[float]] = {}
+        for r in rows:
+            rewards.setdefault(r[1], set()).add(round(r[2] or 0.0, 6))
+        steps = []
+        for step in work.steps_work():
+            row = []
+            for problem, member in step.members():
+                key = execution_id_for(step.step, Problem.from_json(problem), member, label)
+                if key not in by_id:
+                    raise RuntimeError(f"the {label} run recorded no execution {key}")
+                _, group, _, wall, outputs, prompts, call_s, unique = by_id[key]
+                outputs = [o for o in outputs if o is not None]
+                row.append(
+                    Execution(
+                        calls=len(outputs),
+                        output_tokens=outputs,
+                        context_tokens=[p for p in prompts if p is not None],
+                        call_s=float(call_s),
+                        wall_s=float(wall),
+                        trained_tokens=float(unique) if len(rewards[group]) > 1 else 0.0,
+                    )
+                )
+            steps.append(row)
+        return MeasuredRun(
+            policy=label,
+            group_size=work.group_size,
+            executions=steps,
+            makespan_s=figures["makespan_s"],
+            post_rollout_s=[s["ended_s"] - s["rolled_out_s"] for s in figures["steps"]],
+            to_train_s=float(np.median(figures["switch_to_train_s"] or [0.0])),
+            to_rollout_s=float(np.median(figures["switch_to_rollout_s"] or [0.0])),
+        )
+
+
+def role_share(report: RunReport) -> dict[str, float]:
+    """Share of cell-seconds spent in each role over the run (from the role timeline)."""
+    end = report.makespan_s
+    spent = {"rollout": 0.0, "train": 0.0}
+    by_cell: dict[str, list[tuple[float, str]]] = {}
+    for t, cell, role in report.timeline:
+        by_cell.setdefault(cell, []).append((t, role))
+    for changes in by_cell.values():
+        changes.sort()
+        for (t, role), (t_next, _) in zip(changes, [*changes[1:], (end, "")], strict=True):
+            spent[role] += max(0.0, min(t_next, end) - t)
+    total = sum(spent.values()) or 1.0
+    return {role: round(s / total, 3) for role, s in spent.items()}
+
+
+def phases(report: RunReport) -> dict[str, dict[str, float]]:
+    """p50 and p95 seconds of every phase of the switches (drain, sleep, join / leave, wake, register)."""
+    seen: dict[str, list[float]] = {}
+    for switch in report.switches:
+        for phase, seconds in switch.phases.items():
+            seen.setdefault(f"{switch.to}.{phase}", []).append(seconds)
+    return {
+        name: {"p50": round(float(np.percentile(v, 50)), 3), "p95": round(float(np.percentile(v, 95)), 3)}
+        for name, v in sorted(seen.items())
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 3) if values else None
+
+
+CALIBRATION_SEED = 8000  # the calibration run's problems; the compared runs use RealWork.seed
+
+
+def compare(quick: bool = False, root: str | None = None) -> dict[str, Any]:
+    """Every policy of POLICIES on the same work and cells, then the simulator calibrated on a
+    colocate run of other problems predicting each of them: the `real` section of schedule.json."""
+    work = RealWork(steps=2 if quick else 3, problems_per_step=6 if quick else 8, group_size=2, seed=7000)
+    calibration_work = dataclasses.replace(work, seed=CALIBRATION_SEED)
+    own = root is None
+    root = root or tempfile.mkdtemp(prefix="gyre-schedule-real-")
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        with RealBench(root) as bench:
+            runs = [("calibration", "colocate", {}, calibration_work)]
+            runs += [(label, policy, params, work) for label, (policy, params) in POLICIES.items()]
+            for label, policy, params, chosen in runs:
+                started = time.perf_counter()
+                rows[label] = bench.run(label, policy, params, chosen)
+                row = rows[label]
+                print(
+                    f"real {label:<12} makespan {row['makespan_s']:7.1f} s  switches {row['switches']:3d}  "
+                    f"train share {row['role_share']['train']:.2f}  errors {len(row['errors'])}  "
+                    f"({time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
+            start_s = bench.start_s
+        failed = {label: row["errors"] for label, row in rows.items() if row["errors"]}
+        if failed:  # a figure from a run whose executions or switches failed would mislead
+            raise RuntimeError(f"policies with errors: {failed}")
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    measured = {label: row.pop("measured") for label, row in rows.items()}
+    calibration = rows.pop("calibration")
+    machine = calibrate(measured["calibration"], make_policy("colocate"), CELLS, SESSIONS_PER_CELL)
+    sim_vs_real = {}
+    for label, (policy, params) in POLICIES.items():
+        predicted = predict(
+            machine, measured[label], make_policy(policy, **params), 1 if label == "colocate" else 2
+        )
+        real = rows[label]["makespan_s"]
+        sim_vs_real[label] = {
+            "real_s": real,
+            "sim_s": round(predicted, 2),
+            "error": round(abs(predicted - real) / real, 4),
+        }
+        print(
+            f"sim {label:<12} predicted {predicted:7.1f} s  real {real:7.1f} s  error {sim_vs_real[label]['error']:.1%}"
+        )
+    to_train = [s for row in rows.values() for s in row["switch_to_train_s"]]
+    to_rollout = [s for row in rows.values() for s in row["switch_to_rollout_s"]]
+    elastic = rows["elastic"]["makespan_s"]
+    return {
+        "work": {
+            "steps": work.steps,
+            "problems_per_step": work.problems_per_step,
+            "group_size": work.group_size,
+            "seed": work.seed,
+            "calibration_seed": CALIBRATION_SEED,
+            "cells": CELLS,
+            "sessions_per_cell": SESSIONS_PER_CELL,
+            "durations": DURATIONS.__dict__,
+            "max_tokens": MAX_TOKENS,
+        },
+        "pool_start_s": round(start_s, 1),
+        "policies": rows,
+        "makespan_s": {label: row["makespan_s"] for label, row in rows.items()},
+        "speedup_vs_async": round(rows["async"]["makespan_s"] / elastic, 4),
+        "speedup_vs_colocate": round(rows["colocate"]["makespan_s"] / elastic, 4),
+        "reward_by_policy": {label: round(row["mean_reward"], 4) for label, row in rows.items()},
+        "switch_s": {
+            "to_train_p50": percentile(to_train, 50),
+            "to_train_p95": percentile(to_train, 95),
+            "to_rollout_p50": percentile(to_rollout, 50),
+            "to_rollout_p95": percentile(to_rollout, 95),
+            "count": len(to_train) + len(to_rollout),
+        },
+        "calibration": {
+            "makespan_s": calibration["makespan_s"],
+            "latency_s_per_token": round(machine.engine.latency_fixed_s, 5),
+            "update_s": round(machine.trainer.update_s, 2),
+            "to_train_s": round(machine.to_train_s, 3),
+            "to_rollout_s": round(machine.to_rollout_s, 3),
+        },
+        "sim_vs_real": sim_vs_real,
+        "sim_vs_real_error": max(v["error"] for v in sim_vs_real.values()),
+    }
+
+
+def main() -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
+    args = parser.parse_args()
+    figures = compare(args.quick)
+    print(json.dumps({k: v for k, v in figures.items() if k != "policies"}, indent=1))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(figures, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,347 @@
+"""The controller: runs steps of a campaign on real cells under a scheduling policy.
+
+Every tick (a quarter second) it builds a `SchedulerState` from what is true (cell roles, executions
+dispatched and finished per step, groups finished, the trained policy version), asks the policy
+(scheduler/policy.py: the same code the simulator drives) for a `Decision`, switches the cells it
+names (scheduler/cells.py: drain -> sleep -> join, or leave -> wake -> register) and starts the
+executions it asks for. Training streams: each finished group is packed and appended to the step
+being trained as soon as the core cell trains (engines/train/stream.py), whichever replicas have
+joined take its micro-batches, and the step closes when its last group is in. The core publishes the
+new version, the engines that serve swap to it, and the next step opens at once.
+
+Nothing here knows about Prefect, problems or storage: a `Runtime` (tasks/schedule.py) runs one
+execution, packs one group, starts the core's training process and swaps engine weights.
+
+    controller = Controller(policy, pool, runtime, sessions_per_cell=2)
+    report = asyncio.run(controller.run([StepWork(0, problems, group_size=4), ...], start_version=0))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from scheduler.cells import CellPool, Switch
+from scheduler.policy import CellState, Policy, SchedulerState, StepProgress
+
+TICK_S = 0.25
+
+
+@dataclass(frozen=True)
+class Outcome:
+    execution_id: str
+    group_id: str
+    status: str
+    reward: float
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A packed group, written where replicas can read it."""
+
+    uri: str
+    sequences: int
+    executions: int
+
+
+class Training(Protocol):
+    """The core's streaming step (a process of its own)."""
+
+    def address(self) -> tuple[str, int, int]: ...  # blocks until the step is open
+
+    def append(self, chunk: Chunk, key: str) -> None: ...
+
+    def close(self) -> None: ...
+
+    def wait(self) -> dict[str, Any]: ...  # the step's report: version, policy_path, metrics
+
+
+class Runtime(Protocol):
+    async def execute(self, step: int, problem: dict[str, Any], member: int) -> Outcome: ...
+
+    def pack_group(self, step: int, problem: dict[str, Any]) -> Chunk | None: ...  # None: no signal
+
+    def start_training(self, step: int) -> Training: ...
+
+    def serve(self, engine_urls: list[str], version: int) -> None: ...  # awake engines swap weights
+
+    def weights_path(self, version: int) -> str: ...
+
+
+@dataclass
+class StepWork:
+    """One step's executions: `group_size` members of every problem (a problem's dict carries its
+    `problem_id`; `group_of` names its group)."""
+
+    step: int
+    problems: list[dict[str, Any]]
+    group_size: int
+
+    def members(self) -> list[tuple[dict[str, Any], int]]:
+        return [(p, m) for p in self.problems for m in range(self.group_size)]
+
+
+@dataclass
+class _Step:
+    work: StepWork
+    queue: list[tuple[dict[str, Any], int]]
+    dispatched: int = 0
+    finished: int = 0
+    outcomes: dict[str, list[Outcome]] = field(default_factory=dict)  # problem id -> outcomes
+    ready_groups: list[dict[str, Any]] = field(default_factory=list)  # problems whose group finished
+    appended: int = 0
+    skipped: int = 0
+    training: Training | None = None
+    closed: bool = False
+    behaviour_versions: list[int] = field(default_factory=list)  # of unfinished executions
+    started_at: float | None = None
+    rolled_out_at: float | None = None
+
+    @property
+    def executions(self) -> int:
+        return len(self.work.problems) * self.work.group_size
+
+    @property
+    def groups_done(self) -> int:
+        return sum(len(v) == self.work.group_size for v in self.outcomes.values())
+
+
+@dataclass
+class RunReport:
+    makespan_s: float
+    steps: list[dict[str, Any]]
+    switches: list[Switch]
+    timeline: list[tuple[float, str, str]]  # (seconds, cell id, role): every role change
+    decisions: int
+    outcomes: list[Outcome]
+
+    def figures(self) -> dict[str, Any]:
+        by = {"train": [], "rollout": []}
+        for s in self.switches:
+            by[s.to].append(s.seconds)
+        return {
+            "makespan_s": round(self.makespan_s, 2),
+            "switches": len(self.switches),
+            "switch_to_train_s": sorted(by["train"]),
+            "switch_to_rollout_s": sorted(by["rollout"]),
+            "executions": len(self.outcomes),
+            "mean_reward": sum(o.reward for o in self.outcomes) / max(len(self.outcomes), 1),
+            "steps": self.steps,
+        }
+
+
+class Controller:
+    def __init__(
+        self,
+        policy: Policy,
+        pool: CellPool,
+        runtime: Runtime,
+        *,
+        sessions_per_cell: int,
+        tick_s: float = TICK_S,
+    ):
+        self.policy, self.pool, self.runtime = policy, pool, runtime
+        self.sessions_per_cell, self.tick_s = sessions_per_cell, tick_s
+        self.switching: dict[str, asyncio.Task] = {}
+        self.moving_to: dict[str, str] = {}
+        self.errors: list[str] = []
+        self.timeline: list[tuple[float, str, str]] = []
+        self.outcomes: list[Outcome] = []
+        self.running: set[asyncio.Task] = set()
+        self.decisions = 0
+
+    async def run(self, work: Sequence[StepWork], start_version: int = 0) -> RunReport:
+        """Runs `work` (consecutive steps, the first trains `start_version`) to its last update."""
+        self.pool.started = self.pool.clock()
+        started = time.monotonic()
+        steps = [_Step(w, w.members()) for w in work]
+        self.version = start_version
+        self.reports: list[dict[str, Any]] = []
+        for cell in self.pool.cells.values():
+            self.timeline.append((0.0, cell.spec.cell_id, cell.role))
+        trainer = asyncio.create_task(self._train(steps, started))
+        while not trainer.done():
+            self.current = steps[min(len(self.reports), len(steps) - 1)]
+            decision = self.policy.decide(self._state(steps))
+            self.decisions += 1
+            for cell_id, role in decision.roles.items():
+                if cell_id not in self.switching:
+                    self.moving_to[cell_id] = role
+                    self.switching[cell_id] = asyncio.create_task(self._switch(cell_id, role))
+            for order in decision.dispatch:
+                step = next(s for s in steps if s.work.step == order.step)
+                for _ in range(min(order.executions, len(step.queue))):
+                    self._dispatch(step)
+            await asyncio.wait([trainer], timeout=self.tick_s)
+        trainer.result()  # a training failure ends the run with its error
+        for task in list(self.switching.values()):
+            await task
+        return RunReport(
+            makespan_s=time.monotonic() - started,
+            steps=self.reports,
+            switches=list(self.pool.switches),
+            timeline=self.timeline,
+            decisions=self.decisions,
+            outcomes=self.outcomes,
+        )
+
+    async def _train(self, steps: list[_Step], started: float) -> None:
+        """The steps' training, one after the other: open (the core's step), append finished groups
+        while the core cell trains, close when the last group is in, publish, serve the new version."""
+        for step in steps:
+            step.training = await asyncio.to_thread(self.runtime.start_training, step.work.step)
+            await asyncio.to_thread(step.training.address)
+            await self._rejoin(step)
+            while not self._complete(step):
+                await self._append_ready(step)
+                await asyncio.sleep(self.tick_s / 5)
+            step.closed = True
+            await asyncio.to_thread(step.training.close)
+            report = await asyncio.to_thread(step.training.wait)
+            self.reports.append(self._step_report(step, report, started))
+            self.version = int(report["version"])
+            await self._serve_new_version()
+
+    # -- executions ----------------------------------------------------------------------------
+
+    def _dispatch(self, step: _Step) -> None:
+        problem, member = step.queue.pop(0)
+        step.dispatched += 1
+        step.behaviour_versions.append(self.version)
+        step.started_at = step.started_at or time.monotonic()
+        task = asyncio.create_task(self._execute(step, problem, member, self.version))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def _execute(self, step: _Step, problem: dict[str, Any], member: int, version: int) -> None:
+        try:
+            outcome = await self.runtime.execute(step.work.step, problem, member)
+        except Exception as error:  # counted as an execution that ended in error; the step goes on
+            outcome = Outcome(f"s{step.work.step}-{problem['problem_id']}-g{member}", "", "error", 0.0)
+            self.errors.append(f"{outcome.execution_id}: {type(error).__name__}: {error}")
+        step.behaviour_versions.remove(version)
+        step.finished += 1
+        self.outcomes.append(outcome)
+        group = step.outcomes.setdefault(problem["problem_id"], [])
+        group.append(outcome)
+        if len(group) == step.work.group_size:
+            step.ready_groups.append(problem)
+        if step.finished == step.executions:
+            step.rolled_out_at = time.monotonic()
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _core_trains(self) -> bool:
+        return any(c.spec.core and c.role == "train" for c in self.pool.cells.values()) and not any(
+            c.spec.core for c in self.pool.cells.values() if c.spec.cell_id in self.switching
+        )
+
+    async def _append_ready(self, step: _Step) -> None:
+        """Finished groups go to the step being trained while the core cell trains (colocate holds
+        them until the whole pool has turned to training)."""
+        while step.ready_groups and self._core_trains():
+            problem = step.ready_groups.pop(0)
+            chunk = await asyncio.to_thread(self.runtime.pack_group, step.work.step, problem)
+            if chunk is None:
+                step.skipped += 1
+                continue
+            await asyncio.to_thread(step.training.append, chunk, problem["problem_id"])
+            step.appended += 1
+
+    def _complete(self, step: _Step) -> bool:
+        return step.appended + step.skipped == len(step.work.problems)
+
+    async def _rejoin(self, step: _Step) -> None:
+        """Train cells whose replica ended the last step join the new one."""
+        address = step.training.address()
+        for cell in self.pool.cells.values():
+            if cell.role == "train" and cell.replica and not cell.replica.busy:
+                cell.replica.poll()
+                if cell.spec.cell_id not in self.switching:
+                    await asyncio.to_thread(cell.replica.join, *address)
+
+    async def _serve_new_version(self) -> None:
+        awake = [
+            c.spec.engine_url
+            for c in self.pool.cells.values()
+            if c.role == "rollout" and c.spec.cell_id not in self.switching
+        ]
+        if awake:
+            await asyncio.to_thread(self.runtime.serve, awake, self.version)
+        for cell in self.pool.cells.values():
+            if cell.replica and cell.replica.busy:
+                await asyncio.to_thread(_drain_result, cell.replica)
+
+    # -- cells ---------------------------------------------------------------------------------
+
+    async def _switch(self, cell_id: str, role: str) -> None:
+        try:
+            if role == "train":
+                training = self.current.training
+                address = training.address() if training is not None and not self.current.closed else None
+                await asyncio.to_thread(self.pool.to_train, cell_id, address)
+                cell, step = self.pool.cells[cell_id], self.current
+                if cell.replica and not cell.replica.busy and step.training and not step.closed:
+                    await asyncio.to_thread(cell.replica.join, *step.training.address())  # a newer step
+            else:
+                path = self.runtime.weights_path(self.version)
+                await asyncio.to_thread(self.pool.to_rollout, cell_id, self.version, path)
+            self.timeline.append((self.pool.now(), cell_id, role))
+        except Exception as error:  # the cell keeps its old role; the run goes on and reports it
+            self.errors.append(f"switch of {cell_id} to {role}: {type(error).__name__}: {error}")
+        finally:
+            self.switching.pop(cell_id, None)
+            self.moving_to.pop(cell_id, None)
+
+    def _state(self, steps: list[_Step]) -> SchedulerState:
+        cells = tuple(
+            CellState(
+                cell_id=c.cell_id,
+                role=self.moving_to.get(c.cell_id, c.role),  # a switching cell: the role it moves into
+                core=c.core,
+                phase="switching" if c.cell_id in self.switching else "ready",
+                since=c.since,
+                active_sessions=c.active_sessions,
+            )
+            for c in self.pool.states()
+        )
+        untrained = [s for s in steps if not s.closed]
+        unfinished = [v for s in untrained for v in s.behaviour_versions]
+        return SchedulerState(
+            now=self.pool.now(),
+            cells=cells,
+            sessions_per_cell=self.sessions_per_cell,
+            dispatched=sum(s.dispatched for s in steps),
+            finished=sum(s.finished for s in steps),
+            steps=tuple(
+                StepProgress(s.work.step, s.executions, s.dispatched, s.groups_done) for s in untrained
+            ),
+            policy_version=self.version,
+            oldest_behaviour_version=min(unfinished) if unfinished else None,
+            train_backlog_s=0.0,
+        )
+
+    def _step_report(self, step: _Step, report: dict[str, Any], started: float) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "step": step.work.step,
+            "version": report.get("version"),
+            "executions": step.executions,
+            "groups_trained": step.appended,
+            "groups_skipped": step.skipped,
+            "rollout_s": round((step.rolled_out_at or now) - (step.started_at or now), 2),
+            "rolled_out_s": round((step.rolled_out_at or now) - started, 2),
+            "ended_s": round(now - started, 2),
+            "metrics": report.get("metrics", {}),
+        }
+
+
+def _drain_result(replica) -> None:
+    """A replica in a step that just ended returns on its own; collect its result."""
+    deadline = time.monotonic() + 30
+    while replica.busy and time.monotonic() < deadline:
+        if replica.poll() is None:
+            time.sleep(0.05)

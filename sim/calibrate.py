@@ -1,0 +1,142 @@
+"""The simulator calibrated from real runs on this machine, and its predictions checked against them.
+
+A real run (bench/schedule_real.py) leaves every execution's calls in its store: how many turns it
+took, the tokens each call decoded, its context, and the time between calls (tools, the harness,
+grading). `measured_workload` turns those rows into the simulator's `Workload`, so the simulator
+schedules exactly the executions the real run had; only the machine is modelled.
+
+`calibrate` fits the machine on ONE real run (colocate, on problems of its own seed): decode
+latency per token is found by bisection so that the simulated makespan equals the measured one,
+the per-step update (optimizer, checkpoint, publication, engine swap) comes from the measured
+steps, and the switch costs are the measured medians. The calibrated preset then predicts the
+makespan of the other runs (every policy, on other problems) without seeing them.
+
+    preset = calibrate(calibration_run, cells=4, sessions_per_cell=2)
+    predicted = simulate(preset_for(preset, run), make_policy("elastic", ...), "elastic", 2, run.workload)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.policy import Policy
+from sim.presets import Cluster, EngineModel, Preset, Suite, TrainerModel, Workload
+from sim.run import simulate
+
+SEGMENTS = 3
+
+
+@dataclass(frozen=True)
+class Execution:
+    """One real execution as the store recorded it."""
+
+    calls: int
+    output_tokens: list[int]  # per call
+    context_tokens: list[int]  # prompt length per call
+    call_s: float  # seconds inside model calls
+    wall_s: float  # started -> ended (calls, tools, harness, grading)
+    trained_tokens: float  # tokens it contributed to training (0 when its group had no signal)
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A real run: its executions per step (in dispatch order: problem-major, then member), and what
+    the run measured."""
+
+    policy: str
+    group_size: int
+    executions: list[list[Execution]]  # [step][execution]
+    makespan_s: float
+    post_rollout_s: list[float]  # per step: the last execution's end -> the next version served
+    to_train_s: float
+    to_rollout_s: float
+
+
+def measured_workload(run: MeasuredRun) -> Workload:
+    """The run's executions as the simulator's arrays (each execution's turns in SEGMENTS parts)."""
+    steps, per_step = len(run.executions), len(run.executions[0])
+    shape = (steps, per_step, SEGMENTS)
+    decode, context, gaps = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    train = np.zeros((steps, per_step))
+    for s, row in enumerate(run.executions):
+        if len(row) != per_step:
+            raise ValueError(f"step {s} of the {run.policy} run has {len(row)} executions, not {per_step}")
+        for e, ex in enumerate(row):
+            for k, part in enumerate(np.array_split(np.arange(ex.calls), SEGMENTS)):
+                decode[s, e, k] = sum(ex.output_tokens[i] for i in part)
+                context[s, e, k] = np.mean([ex.context_tokens[i] for i in part]) if len(part) else 0.0
+            gaps[s, e, :] = max(ex.wall_s - ex.call_s, 0.0) / SEGMENTS
+            train[s, e] = ex.trained_tokens
+    batch1 = np.array([[ex.wall_s for ex in row] for row in run.executions])
+    return Workload(decode, context, gaps, train, batch1)
+
+
+def preset_for(base: Preset, run: MeasuredRun) -> Preset:
+    """`base` (a calibrated machine) shaped to the run's steps and groups."""
+    steps, per_step = len(run.executions), len(run.executions[0])
+    return dataclasses.replace(
+        base, steps=steps, groups_per_step=per_step // run.group_size, group_size=run.group_size
+    )
+
+
+def machine(
+    cells: int,
+    sessions_per_cell: int,
+    latency_s: float,
+    update_s: float,
+    to_train_s: float,
+    to_rollout_s: float,
+) -> Preset:
+    """This machine's cells: one torch thread each on 2 shared cores; decode `latency_s` per token
+    at batch 1 (batch adds a fifth of it per sequence), training at the measured tokens/s."""
+    return Preset(
+        name="cpu-measured",
+        steps=1,
+        groups_per_step=1,
+        group_size=1,
+        suites=(Suite("measured", 1.0, 1, 0.0, 1, 0, 0.0, 0.0),),  # unused: workloads are measured
+        deadline_s=10_000,
+        segments=SEGMENTS,
+        cluster=Cluster(cells=cells, devices_per_cell=1, shared_cores=2),
+        engine=EngineModel(
+            sessions_per_cell=sessions_per_cell,
+            latency_fixed_s=latency_s,
+            latency_per_seq_s=latency_s / 5,
+            latency_per_ctx_token_s=0.0,
+            max_context=32768,
+            kv_bytes_per_token=4096,
+            migrate_bytes_per_s=1e9,
+        ),
+        trainer=TrainerModel(tokens_per_s=320, update_s=update_s),  # bench/results/train.json
+        to_train_s=to_train_s,
+        to_rollout_s=to_rollout_s,
+        tick_s=0.25,
+    )
+
+
+def calibrate(run: MeasuredRun, policy: Policy, cells: int, sessions_per_cell: int) -> Preset:
+    """The machine fitted to one real run under `policy` (colocate: its steps show the update)."""
+    update_s = max(float(np.median(run.post_rollout_s)) - run.to_train_s - run.to_rollout_s, 0.1)
+    work = measured_workload(run)
+
+    def makespan(latency_s: float) -> float:
+        base = machine(cells, sessions_per_cell, latency_s, update_s, run.to_train_s, run.to_rollout_s)
+        return simulate(preset_for(base, run), policy, "calibration", 1, work).makespan_s
+
+    low, high = 1e-5, 1.0
+    for _ in range(40):  # makespan grows with the latency: bisect on a log scale
+        middle = float(np.sqrt(low * high))
+        if makespan(middle) < run.makespan_s:
+            low = middle
+        else:
+            high = middle
+    latency = float(np.sqrt(low * high))
+    return machine(cells, sessions_per_cell, latency, update_s, run.to_train_s, run.to_rollout_s)
+
+
+def predict(base: Preset, run: MeasuredRun, policy: Policy, depth: int) -> float:
+    """The simulated makespan of `run`'s executions under `policy` on the calibrated machine."""
+    return simulate(preset_for(base, run), policy, run.policy, depth, measured_workload(run)).makespan_s

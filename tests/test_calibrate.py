@@ -1,0 +1,59 @@
+"""sim/calibrate.py: measured executions become the simulator's workload, the fitted machine
+reproduces the run it was fitted on, and its prediction moves the right way with the work."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from scheduler.policy import make_policy
+from sim.calibrate import SEGMENTS, Execution, MeasuredRun, calibrate, measured_workload, predict
+
+
+def _run(seed: int, makespan_s: float, steps: int = 2, per_step: int = 8) -> MeasuredRun:
+    rng = random.Random(seed)
+    executions = []
+    for _ in range(steps):
+        row = []
+        for _ in range(per_step):
+            calls = rng.choice([3, 3, 3, 12])
+            outputs = [rng.randint(20, 90) for _ in range(calls)]
+            call_s = sum(outputs) * 0.02
+            row.append(
+                Execution(calls, outputs, [100 + 60 * i for i in range(calls)], call_s, call_s + 1.5, 50.0)
+            )
+        executions.append(row)
+    return MeasuredRun("colocate", 2, executions, makespan_s, [6.0] * steps, 0.1, 0.1)
+
+
+def test_measured_workload_keeps_every_token_and_second():
+    run = _run(1, 60.0)
+    work = measured_workload(run)
+    assert work.decode_tokens.shape == (2, 8, SEGMENTS)
+    for s, row in enumerate(run.executions):
+        for e, ex in enumerate(row):
+            assert work.decode_tokens[s, e].sum() == sum(ex.output_tokens)
+            assert work.gaps_s[s, e].sum() == pytest.approx(ex.wall_s - ex.call_s)
+            assert work.train_tokens[s, e] == ex.trained_tokens
+
+
+def test_calibration_reproduces_its_run_and_predicts_more_work_slower():
+    run = _run(2, 80.0)
+    colocate = make_policy("colocate")
+    machine = calibrate(run, colocate, cells=4, sessions_per_cell=2)
+    assert machine.trainer.update_s == pytest.approx(6.0 - 0.2)
+    assert predict(machine, run, colocate, 1) == pytest.approx(80.0, rel=0.01)
+    longer = dataclasses.replace(
+        run,
+        executions=[
+            [dataclasses.replace(e, output_tokens=[3 * t for t in e.output_tokens]) for e in row]
+            for row in run.executions
+        ],
+    )
+    assert predict(machine, longer, colocate, 1) > 80.0 * 1.2
+    with pytest.raises(ValueError, match="step 1 of the colocate run has 7 executions"):
+        measured_workload(dataclasses.replace(run, executions=[run.executions[0], run.executions[1][:7]]))
+    assert np.isfinite(predict(machine, run, make_policy("elastic", min_dwell_s=1.0, gain_factor=0.0), 2))
