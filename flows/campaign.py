@@ -42,7 +42,8 @@ from tasks.campaign import (
     serve,
 )
 from tasks.placement import Colocate, Placement
-from tasks.report import campaign_summary, start_progress, step_table, update_progress
+from tasks.report import campaign_summary, role_timeline, start_progress, step_table, update_progress
+from tasks.schedule import ScheduleJob, run_scheduler
 from tasks.services import Services, campaign_services
 from tasks.train import TrainStepRequest, train_step
 
@@ -141,6 +142,8 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
     with campaign_services(config.policy, store, config.serving) as services:
         logger.info("campaign %s: steps %d to %d", config.name, start, config.steps - 1)
         _evaluate(config, services, start)
+        if config.scheduler.policy is not None:
+            return _scheduled(config, services, start, progress)
         for step in range(start, config.steps):
             record = rl_step(
                 config, step, services, StepProgress(artifact_id=progress, total_steps=config.steps)
@@ -154,6 +157,52 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
                 _evaluate(config, services, version)
             update_progress(progress, version, config.steps)
             campaign_summary(config.name, committed_steps(store), committed_evaluations(store))
+    return records
+
+
+def _scheduled(config: CampaignConfig, services: Services, start: int, progress) -> list[StepRecord]:
+    """The steps under the scheduler service (tasks/schedule.py): one long-running task that keeps a
+    scheduler process alive; each step it commits shows up here as it lands."""
+    store, _ = campaign_store(config)
+    job = ScheduleJob(
+        scheduler=config.scheduler,
+        policy=config.policy,
+        steps=config.steps,
+        start=start,
+        seed=config.seed,
+        max_policy_lag=config.max_policy_lag,
+        store=store,
+        problems=config.problems,
+        dispatch=config.dispatch,
+        selection=config.selection,
+        packing=config.packing,
+        trainer=config.trainer,
+        services=services,
+    )
+
+    samples: list[dict] = []  # heartbeats where the roles changed: wall time, roles, cells switching
+    commits: list[tuple[float, int]] = []
+
+    def seen(message: dict, pid: int) -> None:
+        beat = message.get("heartbeat")
+        if beat and (
+            not samples
+            or (beat["roles"], beat["switching"]) != (samples[-1]["roles"], samples[-1]["switching"])
+        ):
+            samples.append(beat)
+        if "committed" in message:
+            commits.append((message["wall"], message["committed"]))
+            update_progress(progress, message["version"], config.steps)
+
+    run_scheduler(job, config.steps - 1, on_line=seen)
+    if samples:
+        samples.append({**samples[-1], "wall": time.time()})  # the last roles, held to the end
+    role_timeline(config.name, samples, commits)
+    records = [r for r in committed_steps(store) if r.step >= start]
+    for record in records:
+        step_table(config.name, record)
+    _evaluate(config, services, config.steps)
+    campaign_summary(config.name, committed_steps(store), committed_evaluations(store))
     return records
 
 

@@ -5,7 +5,7 @@
 Each section goes only to the layer it belongs to: [store] -> storage, [selection] -> the DuckDB
 selection views, [packing] -> the processor, [problems] and [evaluation] -> the campaign's problem
 choice, [dispatch] -> the dispatcher and the harness, [trainer] -> the core cell, [serving] -> the
-processes the campaign starts.
+processes the campaign starts, [scheduler] -> who decides the cells' roles (tasks/schedule.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from tasks.campaign import DispatchConfig, EvaluationConfig, ProblemsConfig
+from tasks.schedule import SchedulerConfig
 from tasks.services import ServingConfig
 from tasks.train import TrainerConfig
 from tasks.trajectory import PackingConfig, SelectionConfig, StoreConfig
@@ -48,6 +49,7 @@ class CampaignConfig(BaseModel):
     dispatch: DispatchConfig = Field(default_factory=DispatchConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
     def merged(self, overrides: dict) -> CampaignConfig:
         """A copy with ``overrides`` (a partial config) merged in, section by section, validated."""

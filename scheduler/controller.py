@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -74,14 +74,21 @@ class Runtime(Protocol):
 @dataclass
 class StepWork:
     """One step's executions: `group_size` members of every problem (a problem's dict carries its
-    `problem_id`; `group_of` names its group)."""
+    `problem_id`). `finished` (problem id, member) -> Outcome: members that ended before (a resumed
+    step): they count as finished and are never dispatched again."""
 
     step: int
     problems: list[dict[str, Any]]
     group_size: int
+    finished: dict[tuple[str, int], Outcome] = field(default_factory=dict)
 
     def members(self) -> list[tuple[dict[str, Any], int]]:
-        return [(p, m) for p in self.problems for m in range(self.group_size)]
+        return [
+            (p, m)
+            for p in self.problems
+            for m in range(self.group_size)
+            if (p["problem_id"], m) not in self.finished
+        ]
 
 
 @dataclass
@@ -142,9 +149,14 @@ class Controller:
         *,
         sessions_per_cell: int,
         tick_s: float = TICK_S,
+        on_step: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+        on_tick: Callable[[dict[str, Any]], None] | None = None,
     ):
+        """`on_step(step figures, the core's report)` runs once a step's version is published (a
+        campaign commits it there); `on_tick(summary)` every tick (a heartbeat)."""
         self.policy, self.pool, self.runtime = policy, pool, runtime
         self.sessions_per_cell, self.tick_s = sessions_per_cell, tick_s
+        self.on_step, self.on_tick = on_step, on_tick
         self.switching: dict[str, asyncio.Task] = {}
         self.moving_to: dict[str, str] = {}
         self.errors: list[str] = []
@@ -158,6 +170,11 @@ class Controller:
         self.pool.started = self.pool.clock()
         started = time.monotonic()
         steps = [_Step(w, w.members()) for w in work]
+        for step in steps:
+            for (problem_id, _), outcome in sorted(step.work.finished.items()):
+                problem = next(p for p in step.work.problems if p["problem_id"] == problem_id)
+                step.dispatched += 1
+                self._finished(step, problem, outcome)
         self.version = start_version
         self.reports: list[dict[str, Any]] = []
         for cell in self.pool.cells.values():
@@ -175,6 +192,8 @@ class Controller:
                 step = next(s for s in steps if s.work.step == order.step)
                 for _ in range(min(order.executions, len(step.queue))):
                     self._dispatch(step)
+            if self.on_tick is not None:
+                self.on_tick(self._summary(steps))
             await asyncio.wait([trainer], timeout=self.tick_s)
         trainer.result()  # a training failure ends the run with its error
         for task in list(self.switching.values()):
@@ -203,6 +222,8 @@ class Controller:
             report = await asyncio.to_thread(step.training.wait)
             self.reports.append(self._step_report(step, report, started))
             self.version = int(report["version"])
+            if self.on_step is not None:
+                await asyncio.to_thread(self.on_step, self.reports[-1], report)
             await self._serve_new_version()
 
     # -- executions ----------------------------------------------------------------------------
@@ -223,6 +244,9 @@ class Controller:
             outcome = Outcome(f"s{step.work.step}-{problem['problem_id']}-g{member}", "", "error", 0.0)
             self.errors.append(f"{outcome.execution_id}: {type(error).__name__}: {error}")
         step.behaviour_versions.remove(version)
+        self._finished(step, problem, outcome)
+
+    def _finished(self, step: _Step, problem: dict[str, Any], outcome: Outcome) -> None:
         step.finished += 1
         self.outcomes.append(outcome)
         group = step.outcomes.setdefault(problem["problem_id"], [])
@@ -231,6 +255,17 @@ class Controller:
             step.ready_groups.append(problem)
         if step.finished == step.executions:
             step.rolled_out_at = time.monotonic()
+
+    def _summary(self, steps: list[_Step]) -> dict[str, Any]:
+        return {
+            "t": round(self.pool.now(), 2),
+            "version": self.version,
+            "dispatched": sum(s.dispatched for s in steps),
+            "finished": sum(s.finished for s in steps),
+            "roles": {c.spec.cell_id: c.role for c in self.pool.cells.values()},
+            "switching": sorted(self.switching),
+            "errors": len(self.errors),
+        }
 
     # -- training ------------------------------------------------------------------------------
 

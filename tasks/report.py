@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import re
 from typing import Any
 from uuid import UUID
@@ -39,6 +40,9 @@ STEP_COLUMNS = (
     ("tokens_trained", "trained tokens"),
     ("loss", "loss"),
     ("step_s", "step s"),
+    ("switches", "switches"),
+    ("switch_to_train_s", "to train s (p50)"),
+    ("switch_to_rollout_s", "to rollout s (p50)"),
 )
 
 SQL_RECIPES = {
@@ -149,4 +153,53 @@ def campaign_summary(
         summary_markdown(campaign, records, evaluations),
         key=artifact_key(campaign, "summary"),
         description=f"campaign {campaign}: curves, figures and SQL recipes",
+    )
+
+
+ROLE_COLOURS = {"rollout": "#4c78a8", "train": "#f58518", "switching": "#bab0ac"}
+
+
+def role_timeline_png(samples: list[dict[str, Any]], commits: list[tuple[float, int]]) -> bytes:
+    """Cells on the y axis, their role over time (from the scheduler's heartbeats: wall time, roles,
+    cells switching), a dashed line where each step committed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    start = samples[0]["wall"]
+    cells = sorted({c for s in samples for c in s["roles"]})
+    figure, axis = plt.subplots(figsize=(7, 0.5 * len(cells) + 1.2), dpi=80)
+    for row, cell in enumerate(cells):
+        for a, b in itertools.pairwise(samples):
+            role = "switching" if cell in a["switching"] else a["roles"].get(cell)
+            if role:
+                axis.barh(
+                    row, b["wall"] - a["wall"], left=a["wall"] - start, color=ROLE_COLOURS[role], height=0.8
+                )
+    for wall, step in commits:
+        axis.axvline(wall - start, color="black", linestyle="--", linewidth=0.8)
+        axis.text(wall - start, len(cells) - 0.4, f"step {step}", fontsize=7)
+    axis.set_yticks(range(len(cells)), cells)
+    axis.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ROLE_COLOURS.values()]
+    axis.legend(handles, list(ROLE_COLOURS), fontsize=7, loc="upper right", ncol=3)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+@task(name="role-timeline", task_run_name="cell roles of {campaign}")
+def role_timeline(
+    campaign: str, samples: list[dict[str, Any]], commits: list[tuple[float, int]]
+) -> UUID | None:
+    """A markdown artifact with the cells' roles over time (a PNG as a data: URI)."""
+    if len(samples) < 2:
+        return None
+    png = base64.b64encode(role_timeline_png(samples, commits)).decode()
+    text = f"# Cell roles, campaign {campaign}\n\n![cell roles over time](data:image/png;base64,{png})\n"
+    return create_markdown_artifact(
+        text, key=artifact_key(campaign, "roles"), description=f"campaign {campaign}: cell roles over time"
     )

@@ -1,27 +1,45 @@
-"""The scheduler's runtime on a campaign's services: one execution, one group packed, the core's
-streaming step as a process, engine weights (scheduler/controller.py drives it).
+"""The scheduler on a campaign's services: its runtime (one execution, one group packed, the core's
+streaming step as a process, engine weights: scheduler/controller.py drives it), the scheduler as a
+process of its own, and the supervisor that keeps that process alive.
 
     runtime = CampaignRuntime(services, store, dispatch_config, selection, packing, trainer, policy)
     controller = Controller(make_policy("elastic"), pool, runtime, sessions_per_cell=2)
+
+    python -m tasks.schedule < job.json     # a ScheduleJob on stdin: the steps from job.start on,
+                                            # a heartbeat line every tick, each step committed
+    run_scheduler(job)                      # the campaign's long-running task: starts that process,
+                                            # restarts it from the store if it dies or goes silent
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, Field
 
 from engines.train.config import TrainerConfig
 from engines.train.run import TrainStepRequest
 from engines.train.stream import StreamProducer, write_chunk
-from environments.dispatch import DispatchConfig, dispatch, group_id_for
+from environments.dispatch import DispatchConfig, dispatch, execution_id_for, group_id_for
 from environments.problems import Problem
-from scheduler.controller import Chunk, Outcome
+from scheduler.cells import Admin, CellPool, CellSpec
+from scheduler.controller import Chunk, Controller, Outcome, StepWork
+from scheduler.policy import make_policy
+from tasks.campaign import ProblemsConfig, StepRecord, choose_problems, commit_step, write_metrics
 from tasks.services import Services, policy_path, serve_version
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
@@ -190,3 +208,257 @@ class CampaignRuntime:
 
     def serve(self, engine_urls: list[str], version: int) -> None:
         serve_version(self.services, engine_urls, version, self.weights_path(version))
+
+
+# -- the scheduler as a process, and its supervisor ------------------------------------------------
+
+log = logging.getLogger("gyre.scheduler")
+
+
+class SchedulerConfig(BaseModel):
+    """Who decides the cells' roles during a campaign (the [scheduler] section of a campaign config)."""
+
+    policy: Literal["colocate", "async", "elastic"] | None = Field(
+        None,
+        description="None: the campaign's step flows (one rl_step subflow per step, the pool rolls out "
+        "then trains); a policy: the scheduler service runs the steps on cells (an engine and a trainer "
+        "replica each, cell 0 the core) under scheduler/policy.py's policy of that name",
+    )
+    params: dict[str, float] = Field(
+        default_factory=dict,
+        description="the policy's settings (e.g. depth, max_policy_lag, min_dwell_s for elastic; "
+        "train_cells for async); max_policy_lag defaults to the campaign's",
+    )
+    sessions_per_cell: int = Field(2, ge=1, description="executions one engine hosts at once")
+    heartbeat_timeout_s: float = Field(
+        120.0, gt=0, description="a scheduler silent this long is killed and restarted from the store"
+    )
+    restarts: int = Field(3, ge=0, description="restarts of a scheduler that died before the task fails")
+
+
+class ScheduleJob(BaseModel):
+    """Everything the scheduler process needs, as JSON on its stdin (admin tokens included: never in
+    argv or on disk)."""
+
+    scheduler: SchedulerConfig
+    policy: str  # the starting policy (version 0)
+    steps: int
+    start: int
+    seed: int
+    max_policy_lag: int
+    store: StoreConfig
+    problems: ProblemsConfig
+    dispatch: DispatchConfig
+    selection: SelectionConfig
+    packing: PackingConfig
+    trainer: TrainerConfig
+    services: Services  # its tokens are secrets: shown masked, sent in the clear only on the pipe
+
+    def wire(self) -> str:
+        """The job as the process reads it (the tokens revealed: stdin only, never argv or disk)."""
+        plain = self.model_dump(mode="json")
+        plain["services"]["admin_token"] = self.services.admin_token.get_secret_value()
+        plain["services"]["engine_admin_token"] = self.services.engine_admin_token.get_secret_value()
+        return json.dumps(plain)
+
+
+def _finished_members(store: StoreConfig, step: int, problems: list[dict[str, Any]], group_size: int):
+    """(problem id, member) -> Outcome of the step's executions the store holds (they ended)."""
+    con = connect(Store(store), SelectionConfig())
+    rows = con.execute(
+        "SELECT execution_id, group_id, status, coalesce(reward, 0) FROM executions WHERE step = ?", [step]
+    ).fetchall()
+    con.close()
+    ended = {r[0]: Outcome(r[0], r[1] or "", r[2], float(r[3])) for r in rows}
+    return {
+        (p["problem_id"], m): ended[key]
+        for p in problems
+        for m in range(group_size)
+        if (key := execution_id_for(step, Problem.from_json(p), m)) in ended
+    }
+
+
+def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
+    """Runs steps job.start .. job.steps - 1 under the job's policy and commits each; the executions of
+    a step that ended before (a restart) are counted, not dispatched again. Returns the last version."""
+    services = job.services
+    admin = Admin(
+        services.gateway_url,
+        services.admin_token.get_secret_value(),
+        services.engine_admin_token.get_secret_value(),
+    )
+    engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
+    if len(services.engine_urls) < 2:
+        raise ValueError(
+            f"the scheduler needs at least 2 cells (serving.engines); got {len(services.engine_urls)}"
+        )
+    # A restarted scheduler finds the engines as its predecessor left them: all serve the version
+    # the store says is current, and the gateway routes to all of them again.
+    serve_version(services, services.engine_urls, job.start, policy_path(services, job.start, job.policy))
+    for url in services.engine_urls:
+        admin.gateway("POST", f"/admin/engines/{engines[url]}/activate")
+    specs = [
+        CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(services.engine_urls)
+    ]
+    pool = CellPool(admin, specs, job.policy, threads=1)
+    runtime = CampaignRuntime(
+        services,
+        job.store,
+        job.dispatch,
+        job.selection,
+        job.packing,
+        job.trainer,
+        job.policy,
+        max_policy_lag=job.max_policy_lag,
+        seed=job.seed,
+    )
+    work = []
+    for step in range(job.start, job.steps):
+        problems = choose_problems.fn(job.problems, step)
+        finished = _finished_members(job.store, step, problems, job.dispatch.group_size)
+        work.append(StepWork(step, problems, job.dispatch.group_size, finished))
+
+    counted = [0]  # switches already counted in a committed step
+
+    def commit(figures: dict[str, Any], report: dict[str, Any]) -> None:
+        metrics = {k: float(v) for k, v in report.get("metrics", {}).items()}
+        switches, counted[0] = pool.switches[counted[0] :], len(pool.switches)
+        metrics["switches"] = float(len(switches))
+        for role in ("train", "rollout"):
+            seconds = sorted(s.seconds for s in switches if s.to == role)
+            if seconds:
+                metrics[f"switch_to_{role}_s"] = seconds[len(seconds) // 2]
+        metrics |= {
+            "version": float(report["version"]),
+            "trained": float(bool(report.get("trained"))),
+            "groups_trained": float(figures["groups_trained"]),
+            "groups_skipped": float(figures["groups_skipped"]),
+            "rollout_s": float(figures["rollout_s"]),
+        }
+        record = StepRecord(
+            step=figures["step"],
+            version=int(report["version"]),
+            checkpoint_url=report["checkpoint_url"],
+            policy_uri=report["policy_uri"],
+            metrics=metrics,
+            committed_at=time.time(),
+        )
+        commit_step.fn(job.store, figures["step"], record)
+        heartbeat(json.dumps({"committed": figures["step"], "version": record.version, "wall": time.time()}))
+
+    params = {"max_policy_lag": job.max_policy_lag, **job.scheduler.params}
+    if job.scheduler.policy == "colocate":
+        params = {}
+    controller = Controller(
+        make_policy(job.scheduler.policy, **params),
+        pool,
+        runtime,
+        sessions_per_cell=job.scheduler.sessions_per_cell,
+        on_step=commit,
+        on_tick=lambda summary: heartbeat(json.dumps({"heartbeat": {**summary, "wall": time.time()}})),
+    )
+    try:
+        report = asyncio.run(controller.run(work, start_version=job.start))
+    finally:
+        runtime.close()
+        pool.close()
+    switches = [
+        {"cell": s.cell_id, "to": s.to, "s": round(s.seconds, 3), **s.phases} for s in report.switches
+    ]
+    heartbeat(
+        json.dumps(
+            {"done": {"version": controller.version, "switches": switches, "errors": controller.errors}}
+        )
+    )
+    return controller.version
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    job = ScheduleJob.model_validate_json(sys.stdin.readline())
+    schedule_steps(job, heartbeat=lambda line: print(line, flush=True))
+    return 0
+
+
+class SchedulerDied(RuntimeError):
+    pass
+
+
+def _watch(job: ScheduleJob, on_line) -> int:
+    """One scheduler process, from start to exit: its lines go to `on_line`; killed (with every
+    process it started: its own session) when it says nothing for heartbeat_timeout_s."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tasks.schedule"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    )
+    process.stdin.write(job.wire() + "\n")
+    process.stdin.close()
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    timeout = job.scheduler.heartbeat_timeout_s
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=timeout)
+            except queue.Empty:
+                log.warning(
+                    "the scheduler (pid %d) said nothing for %.0f s: killing it", process.pid, timeout
+                )
+                return -1
+            if line is None:
+                return process.wait()
+            if line.startswith("{"):
+                on_line(json.loads(line), process.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the scheduler and whatever it started
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@task(name="scheduler", task_run_name="scheduler steps {job.start}-{last_step}", cache_policy=NO_CACHE)
+def run_scheduler(job: ScheduleJob, last_step: int, on_line=None) -> dict[str, Any]:
+    """The campaign's scheduler service: a process that runs the steps, supervised. A scheduler that
+    exits with an error, is killed, or goes silent (no heartbeat for heartbeat_timeout_s) is killed
+    with everything it started and started again from the store: after the last committed step, with
+    the executions that ended counted, not dispatched again. Restarts are counted in the metrics."""
+    from tasks.campaign import last_committed
+
+    restarts: list[dict[str, Any]] = []
+    done: dict[str, Any] = {}
+
+    def seen(message: dict[str, Any], pid: int) -> None:
+        if "done" in message:
+            done.update(message["done"])
+        if on_line is not None:
+            on_line(message, pid)
+
+    while True:
+        code = _watch(job, seen)
+        if code == 0 and done:
+            return {**done, "restarts": restarts}
+        last = last_committed.fn(job.store)
+        start = last.step + 1 if last else 0
+        restarts.append({"exit": code, "at_step": start, "t": time.time()})
+        write_metrics(
+            job.store, start, {"scheduler_restarts": float(len(restarts))}, time.time(), "scheduler"
+        )
+        if start >= job.steps:
+            return {"version": job.steps, "restarts": restarts}
+        if len(restarts) > job.scheduler.restarts:
+            raise SchedulerDied(f"the scheduler died {len(restarts)} times (last exit {code}); see its log")
+        log.warning("the scheduler exited with %s at step %d: restarting it from the store", code, start)
+        job = job.model_copy(update={"start": start})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The scheduler service in a campaign: `[scheduler] policy = "elastic"` runs the steps on cells in a
+supervised process; SIGKILLed mid-step, it is noticed, killed with everything it started and started
+again from the store: the campaign ends with every step committed once, every execution recorded
+once (none dispatched again after it ended), and the restart in the metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.campaign import campaign
+from tests.campaign_fixtures import tiny_campaign, tiny_policy
+from trajectory_store.db import connect
+from trajectory_store.storage import Store
+
+pytestmark = pytest.mark.slow
+
+
+def _scheduler_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"tasks.schedule" in argv and b"-m" in argv:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _kill_mid_step(store: Store, total: int, killed: list[int], stop: threading.Event) -> None:
+    """SIGKILLs the scheduler process once some executions are recorded and some are not."""
+    while not stop.is_set():
+        table = store.read_table("executions")
+        if 0 < table.num_rows < total and _scheduler_pids():
+            pid = _scheduler_pids()[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.2)
+
+
+def test_a_killed_scheduler_is_restarted_from_the_store(prefect_harness, tmp_path):
+    config = tiny_campaign(
+        "sched",
+        tiny_policy(tmp_path / "policy"),
+        str(tmp_path / "data"),
+        steps=2,
+        problems={"per_step": 2},
+        dispatch={"durations": {"short_turns": 2, "long_fraction": 0.5, "long_factor": [3.0, 5.0]}},
+        serving={"engines": 3},
+        scheduler={
+            "policy": "elastic",
+            "params": {"depth": 1, "min_dwell_s": 1.0, "gain_factor": 0.0},
+            "heartbeat_timeout_s": 60,
+        },
+    )
+    store = Store(config.store.model_copy(update={"campaign": config.name}))
+    killed: list[int] = []
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_mid_step, args=(store, 8, killed, stop), daemon=True)
+    killer.start()
+    try:
+        records = campaign(config)
+    finally:
+        stop.set()
+    assert killed, "the scheduler was never seen mid-step"
+    assert [r.step for r in records] == [0, 1] and [r.version for r in records] == [1, 2]
+    assert not _scheduler_pids(), "a scheduler process outlived the campaign"
+
+    con = connect(store)
+    recorded = con.execute("SELECT execution_id, count(*) FROM executions_raw GROUP BY ALL").fetchall()
+    restarts = con.execute("SELECT max(value) FROM metrics WHERE name = 'scheduler_restarts'").fetchone()[0]
+    con.close()
+    assert len(recorded) == 8 and all(n == 1 for _, n in recorded), recorded
+    assert restarts == 1.0
