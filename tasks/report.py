@@ -41,8 +41,8 @@ STEP_COLUMNS = (
     ("loss", "loss"),
     ("step_s", "step s"),
     ("switches", "switches"),
-    ("switch_to_train_s", "to train s (p50)"),
-    ("switch_to_rollout_s", "to rollout s (p50)"),
+    ("switch_to_train_p50_s", "to train s (p50)"),
+    ("switch_to_rollout_p50_s", "to rollout s (p50)"),
 )
 
 SQL_RECIPES = {

@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from typing import Any, Literal
 
+import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
@@ -44,6 +45,7 @@ from tasks.services import Services, policy_path, serve_version
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.processor import pack
+from trajectory_store.schema import METRICS_SCHEMA, SCHEMA_VERSION
 from trajectory_store.step import left_out
 from trajectory_store.storage import Store, StoreConfig
 
@@ -262,6 +264,35 @@ class ScheduleJob(BaseModel):
         return json.dumps(plain)
 
 
+def write_switch_metrics(store: StoreConfig, step: int, switches: list) -> None:
+    """Every switch of a step as metrics rows: its total and each phase, with its cell and what it
+    moved (detail: JSON), so `gyre sql` answers "how long did drains take, per cell"."""
+    rows: list[tuple[str, float, str, str, float]] = []
+    for switch in switches:
+        detail = json.dumps(switch.detail, sort_keys=True, default=str)
+        rows.append((f"switch_to_{switch.to}_s", switch.seconds, switch.cell_id, detail, switch.started))
+        for phase, seconds in switch.phases.items():
+            rows.append((f"switch_to_{switch.to}_{phase}_s", seconds, switch.cell_id, detail, switch.started))
+    if not rows:
+        return
+    names, values, cells, details, times = map(list, zip(*rows, strict=True))
+    table = pa.table(
+        {
+            "step": pa.array([step] * len(rows), pa.int32()),
+            "name": names,
+            "value": pa.array(values, pa.float64()),
+            "cell_id": pa.array(cells, pa.string()),
+            "detail": details,
+            "t": pa.array(times, pa.float64()),
+            "schema_version": pa.array([SCHEMA_VERSION] * len(rows), pa.int16()),
+        },
+        schema=METRICS_SCHEMA,
+    )
+    target = Store(store)
+    rel = target.write_part("metrics", step, table, f"switches-{step}")
+    target.commit(step, {"metrics": [rel]}, {"metrics": table.num_rows})
+
+
 def _finished_members(store: StoreConfig, step: int, problems: list[dict[str, Any]], group_size: int):
     """(problem id, member) -> Outcome of the step's executions the store holds (they ended)."""
     con = connect(Store(store), SelectionConfig())
@@ -327,7 +358,7 @@ def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
         for role in ("train", "rollout"):
             seconds = sorted(s.seconds for s in switches if s.to == role)
             if seconds:
-                metrics[f"switch_to_{role}_s"] = seconds[len(seconds) // 2]
+                metrics[f"switch_to_{role}_p50_s"] = seconds[len(seconds) // 2]
         metrics |= {
             "version": float(report["version"]),
             "trained": float(bool(report.get("trained"))),
@@ -344,6 +375,7 @@ def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
             committed_at=time.time(),
         )
         commit_step.fn(job.store, figures["step"], record)
+        write_switch_metrics(job.store, figures["step"], switches)
         heartbeat(json.dumps({"committed": figures["step"], "version": record.version, "wall": time.time()}))
 
     params = {"max_policy_lag": job.max_policy_lag, **job.scheduler.params}

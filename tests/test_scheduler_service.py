@@ -77,6 +77,16 @@ def test_a_killed_scheduler_is_restarted_from_the_store(prefect_harness, tmp_pat
     con = connect(store)
     recorded = con.execute("SELECT execution_id, count(*) FROM executions_raw GROUP BY ALL").fetchall()
     restarts = con.execute("SELECT max(value) FROM metrics WHERE name = 'scheduler_restarts'").fetchone()[0]
+    phases = con.execute(
+        "SELECT name, count(*), min(value) FROM metrics WHERE name LIKE 'switch_to_train_%' AND cell_id IS NOT NULL "
+        "GROUP BY name"
+    ).fetchall()
     con.close()
+    assert {name for name, _, _ in phases} >= {
+        "switch_to_train_s",
+        "switch_to_train_drain_s",
+        "switch_to_train_sleep_s",
+    }
+    assert all(count >= 1 and low >= 0 for _, count, low in phases)
     assert len(recorded) == 8 and all(n == 1 for _, n in recorded), recorded
     assert restarts == 1.0
