@@ -32,12 +32,12 @@ from engines.train.config import TrainerConfig
 from environments.dispatch import DispatchConfig, DurationProfile, execution_id_for
 from environments.harness import HarnessConfig
 from environments.problems import Problem
-from scheduler.cells import Admin, CellPool, CellSpec
+from scheduler.cells import Admin
 from scheduler.controller import Controller, RunReport, StepWork
 from scheduler.policy import make_policy
 from sim.calibrate import Execution, MeasuredRun, calibrate, predict
 from tasks.campaign import problems_for
-from tasks.schedule import CampaignRuntime
+from tasks.schedule import CampaignRuntime, cell_pool
 from tasks.services import Services, serve_version
 from tasks.stack import local_stack
 from trajectory_store.config import PackingConfig, SelectionConfig
@@ -105,11 +105,7 @@ class RealBench:
         stack = self._stack.__enter__()
         self.stack = stack
         admin = Admin(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
-        engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
-        specs = [
-            CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(stack.engine_urls)
-        ]
-        self.pool = CellPool(admin, specs, self.model, threads=1)
+        self.pool = cell_pool(admin, stack.engine_urls, self.model)
         self.start_s = time.perf_counter() - started
         return self
 

@@ -438,20 +438,24 @@ class _Runner:
         }
         return [part.format(**values) for part in config.harness_command], env
 
-    async def _grade_snapshot(self, problem, execution_id, workspace: Path, outcome) -> None:
-        if not workspace.is_dir():  # nothing to grade at all
-            outcome.reward, outcome.reward_source = 0.0, "placeholder"
-            return
-        outcome.snapshot_uri = await asyncio.to_thread(
+    async def _store_snapshot(self, problem, execution_id, workspace: Path, source: str) -> str:
+        """The workspace as snapshot rows (with the problem's starting files as its template)."""
+        return await asyncio.to_thread(
             store_workspace,
             self.snapshots,
             self.config.step,
             execution_id,
             workspace,
             problem_id=problem.problem_id,
-            source="timeout",
+            source=source,
             template_files=problem.files,
         )
+
+    async def _grade_snapshot(self, problem, execution_id, workspace: Path, outcome) -> None:
+        if not workspace.is_dir():  # nothing to grade at all
+            outcome.reward, outcome.reward_source = 0.0, "placeholder"
+            return
+        outcome.snapshot_uri = await self._store_snapshot(problem, execution_id, workspace, "timeout")
         fresh = Path(tempfile.mkdtemp(prefix="gyre-regrade-"))
         try:  # graded from what was stored, never from the workspace itself
             restored = await asyncio.to_thread(
@@ -471,16 +475,7 @@ class _Runner:
         """Stores a completed execution's final workspace; a failure is logged, never fatal: the
         execution was graded from the workspace itself."""
         try:
-            outcome.snapshot_uri = await asyncio.to_thread(
-                store_workspace,
-                self.snapshots,
-                self.config.step,
-                execution_id,
-                workspace,
-                problem_id=problem.problem_id,
-                source="final",
-                template_files=problem.files,
-            )
+            outcome.snapshot_uri = await self._store_snapshot(problem, execution_id, workspace, "final")
         except (ValueError, OSError):
             log.exception("execution %s: its final workspace could not be snapshotted", execution_id)
 

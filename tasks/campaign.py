@@ -363,21 +363,32 @@ def write_metrics(
     store: StoreConfig, step: int, metrics: dict[str, float], t: float, detail: str = "step"
 ) -> None:
     """One metrics row per figure; deterministic content, so a rewrite is a no-op."""
-    names = sorted(metrics)
+    rows = [(name, float(metrics[name]), None, detail, t) for name in sorted(metrics)]
+    write_metric_rows(store, step, rows, f"{detail}-{step}")
+
+
+def write_metric_rows(
+    store: StoreConfig, step: int, rows: list[tuple[str, float, str | None, str, float]], key: str
+) -> None:
+    """Rows (name, value, cell_id, detail, t) as one metrics part of ``step``, committed; ``key``
+    names the part (the same key and rows rewrite nothing)."""
+    if not rows:
+        return
+    names, values, cells, details, times = map(list, zip(*rows, strict=True))
     table = pa.table(
         {
-            "step": pa.array([step] * len(names), pa.int32()),
+            "step": pa.array([step] * len(rows), pa.int32()),
             "name": names,
-            "value": pa.array([float(metrics[n]) for n in names], pa.float64()),
-            "cell_id": pa.array([None] * len(names), pa.string()),
-            "detail": [detail] * len(names),
-            "t": pa.array([t] * len(names), pa.float64()),
-            "schema_version": pa.array([SCHEMA_VERSION] * len(names), pa.int16()),
+            "value": pa.array(values, pa.float64()),
+            "cell_id": pa.array(cells, pa.string()),
+            "detail": details,
+            "t": pa.array(times, pa.float64()),
+            "schema_version": pa.array([SCHEMA_VERSION] * len(rows), pa.int16()),
         },
         schema=METRICS_SCHEMA,
     )
     target = Store(store)
-    rel = target.write_part("metrics", step, table, f"{detail}-{step}")
+    rel = target.write_part("metrics", step, table, key)
     target.commit(step, {"metrics": [rel]}, {"metrics": table.num_rows})
 
 

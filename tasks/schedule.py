@@ -27,7 +27,6 @@ import time
 from dataclasses import replace
 from typing import Any, Literal
 
-import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
@@ -40,12 +39,18 @@ from environments.problems import Problem
 from scheduler.cells import Admin, CellPool, CellSpec
 from scheduler.controller import Chunk, Controller, Outcome, StepWork
 from scheduler.policy import make_policy
-from tasks.campaign import ProblemsConfig, StepRecord, choose_problems, commit_step, write_metrics
+from tasks.campaign import (
+    ProblemsConfig,
+    StepRecord,
+    choose_problems,
+    commit_step,
+    write_metric_rows,
+    write_metrics,
+)
 from tasks.services import Services, policy_path, serve_version
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.processor import pack
-from trajectory_store.schema import METRICS_SCHEMA, SCHEMA_VERSION
 from trajectory_store.step import left_out
 from trajectory_store.storage import Store, StoreConfig
 
@@ -267,30 +272,20 @@ class ScheduleJob(BaseModel):
 def write_switch_metrics(store: StoreConfig, step: int, switches: list) -> None:
     """Every switch of a step as metrics rows: its total and each phase, with its cell and what it
     moved (detail: JSON), so `gyre sql` answers "how long did drains take, per cell"."""
-    rows: list[tuple[str, float, str, str, float]] = []
+    rows: list[tuple[str, float, str | None, str, float]] = []
     for switch in switches:
         detail = json.dumps(switch.detail, sort_keys=True, default=str)
         rows.append((f"switch_to_{switch.to}_s", switch.seconds, switch.cell_id, detail, switch.started))
         for phase, seconds in switch.phases.items():
             rows.append((f"switch_to_{switch.to}_{phase}_s", seconds, switch.cell_id, detail, switch.started))
-    if not rows:
-        return
-    names, values, cells, details, times = map(list, zip(*rows, strict=True))
-    table = pa.table(
-        {
-            "step": pa.array([step] * len(rows), pa.int32()),
-            "name": names,
-            "value": pa.array(values, pa.float64()),
-            "cell_id": pa.array(cells, pa.string()),
-            "detail": details,
-            "t": pa.array(times, pa.float64()),
-            "schema_version": pa.array([SCHEMA_VERSION] * len(rows), pa.int16()),
-        },
-        schema=METRICS_SCHEMA,
-    )
-    target = Store(store)
-    rel = target.write_part("metrics", step, table, f"switches-{step}")
-    target.commit(step, {"metrics": [rel]}, {"metrics": table.num_rows})
+    write_metric_rows(store, step, rows, f"switches-{step}")
+
+
+def cell_pool(admin: Admin, engine_urls: list[str], model_dir: str) -> CellPool:
+    """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``."""
+    engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
+    specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
+    return CellPool(admin, specs, model_dir, threads=1)
 
 
 def _finished_members(store: StoreConfig, step: int, problems: list[dict[str, Any]], group_size: int):
@@ -318,20 +313,16 @@ def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
         services.admin_token.get_secret_value(),
         services.engine_admin_token.get_secret_value(),
     )
-    engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
     if len(services.engine_urls) < 2:
         raise ValueError(
             f"the scheduler needs at least 2 cells (serving.engines); got {len(services.engine_urls)}"
         )
+    pool = cell_pool(admin, services.engine_urls, job.policy)
     # A restarted scheduler finds the engines as its predecessor left them: all serve the version
     # the store says is current, and the gateway routes to all of them again.
     serve_version(services, services.engine_urls, job.start, policy_path(services, job.start, job.policy))
-    for url in services.engine_urls:
-        admin.gateway("POST", f"/admin/engines/{engines[url]}/activate")
-    specs = [
-        CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(services.engine_urls)
-    ]
-    pool = CellPool(admin, specs, job.policy, threads=1)
+    for cell in pool.cells.values():
+        admin.gateway("POST", f"/admin/engines/{cell.spec.engine_id}/activate")
     runtime = CampaignRuntime(
         services,
         job.store,
