@@ -24,6 +24,7 @@
     gyre bench store|train|engine|rollout|learn [--quick]  the benchmarks (figures printed and in bench/results/)
     gyre bench ui [--out bench/results/ui.png]         a screenshot of a campaign in the Prefect UI
     gyre bench schedule [--quick] [--sim-only]         elastic vs colocate vs async: simulated at paper scale + real on CPU
+    gyre bench faults [--quick]                        processes killed, misbehaving agents, gateway load: lost / duplicated work
     gyre sim [--preset NAME] [--set KEY=VALUE ...]     one simulated comparison of the three policies, against the bound
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
@@ -168,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_bench_parser(bench_commands)
     campaign.add_campaign_parsers(commands, bench_commands)
     schedule.add_schedule_parser(bench_commands)
+    faults = bench_commands.add_parser(
+        "faults", help="faults and load on real processes: lost and duplicated work, recovery seconds"
+    )
+    faults.add_argument("--quick", action="store_true", help="one run of each fault, 64 sessions of load")
+    faults.add_argument("--out", default="bench/results/faults.json", help="where the figures go (JSON)")
     schedule.add_sim_parser(commands)
     _show_defaults(parser)
     return parser
@@ -223,6 +229,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.store import main as bench_store
 
         return bench_store(quick=args.quick, out=args.out)
+    if args.command == "bench" and args.bench_command == "faults":
+        from bench.faults import main as bench_faults
+
+        return bench_faults(quick=args.quick, out=args.out)
     if args.command == "bench" and args.bench_command == "schedule":
         return schedule.run(args)
     if args.command == "sim":

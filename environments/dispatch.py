@@ -27,6 +27,15 @@ Nothing is dropped silently: every execution ends with exactly one finish, whate
 Execution ids are ``s<step>-<problem>-g<member>``, plus ``-<run_id>`` when DispatchConfig.run_id is
 set (`gyre rollout` sets a fresh one per run, so a second run never collides with the first; a
 campaign step leaves it unset, so a retried step finds its own executions).
+
+Attempts: a dispatcher that dies (its task retried, the scheduler restarted) leaves its executions
+live at the gateway, some of their calls already recorded. A new attempt of the same group member
+never reuses that id: it registers ``<id>-a<k>``, the first attempt id with no row in the store
+(StepLedger), with a token of its own, and the gateway records a live execution registered under
+another token as ``abandoned`` (its calls kept, never graded, never trained on) before refusing it
+with 409 ``execution_superseded``, which moves the dispatcher to the next attempt. So the reward of
+one attempt is never joined to the calls of another, and a member counts as done once one of its
+attempts ended with any status but ``abandoned``.
 Durations are heavy-tailed like real xLong work: most executions get a short turn budget, a
 configurable fraction gets ``long_factor`` times more (see DurationProfile).
 """
@@ -63,6 +72,9 @@ from trajectory_store.snapshots import SnapshotStore
 from trajectory_store.storage import Store, StoreConfig, StoreError
 
 log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 8
+"""Attempts of one member superseded in a row before the dispatcher gives up (two dispatchers on one
+step would supersede each other's attempts)."""
 
 
 @dataclass
@@ -156,15 +168,22 @@ class ExecutionOutcome:
     log_uri: str | None = None
     grade: dict[str, Any] | None = None
     error: str | None = None
+    member_id: str | None = None
+    """The id of the member's first attempt (execution_id_for with attempt 0): seeds its turn budget."""
 
 
 class GatewayAdminError(RuntimeError):
-    """The gateway refused an admin request; ``status`` is its HTTP status (409: the execution id is
-    already finished there, so it cannot be registered again)."""
+    """The gateway refused an admin request; ``status`` is its HTTP status and ``code`` its error
+    code (409 execution_finished: the id is finished there and cannot be registered again; 409
+    execution_superseded: it belonged to an abandoned attempt)."""
 
     def __init__(self, path: str, status: int, text: str):
         super().__init__(f"gateway {path} answered {status}: {text[:500]}")
         self.path, self.status = path, status
+        try:
+            self.code = (json.loads(text).get("error") or {}).get("code")
+        except (ValueError, AttributeError):
+            self.code = None
 
 
 class GatewayAdmin:
@@ -192,6 +211,7 @@ class GatewayAdmin:
         step: int | None = None,
         harness: str | None = None,
         campaign: str | None = None,
+        attempt: str | None = None,
     ) -> dict[str, Any]:
         """{execution_id, step, campaign, base_url, agent_base_url, api_key, created}."""
         body = {
@@ -201,6 +221,7 @@ class GatewayAdmin:
             "step": step,
             "harness": harness,
             "campaign": campaign,
+            "attempt": attempt,
         }
         return await self._request("POST", "/admin/executions", body)
 
@@ -254,9 +275,64 @@ def group_id_for(step: int, problem: Problem, run_id: str | None = None) -> str:
     return f"s{step}-{problem.problem_id}" + (f"-{run_id}" if run_id else "")
 
 
-def execution_id_for(step: int, problem: Problem, member: int, run_id: str | None = None) -> str:
-    """s<step>-<problem>-g<member>[-<run_id>]: the same for a retry of the same run (retry-safe)."""
-    return f"s{step}-{problem.problem_id}-g{member}" + (f"-{run_id}" if run_id else "")
+def execution_id_for(
+    step: int, problem: Problem, member: int, run_id: str | None = None, attempt: int = 0
+) -> str:
+    """s<step>-<problem>-g<member>[-<run_id>][-a<attempt>]: the same for a retry of the same run
+    (retry-safe); a later attempt of a member whose dispatcher died gets -a<k> (StepLedger)."""
+    base = f"s{step}-{problem.problem_id}-g{member}" + (f"-{run_id}" if run_id else "")
+    return base if attempt == 0 else f"{base}-a{attempt}"
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How one execution the store holds ended."""
+
+    execution_id: str
+    group_id: str | None
+    status: Status
+    reward: float | None
+
+
+@dataclass(frozen=True)
+class StepLedger:
+    """What the store holds of one step: the executions that ended, and every id that took a call
+    (a dispatcher or gateway that died leaves calls without an execution row)."""
+
+    step: int
+    ended: dict[str, Ended]
+    used: frozenset[str]
+
+    def outcome(self, problem: Problem, member: int, run_id: str | None = None) -> Ended | None:
+        """The attempt of this member that ended (with any status but abandoned), if one did."""
+        for attempt in range(len(self.used) + 1):
+            execution_id = execution_id_for(self.step, problem, member, run_id, attempt)
+            row = self.ended.get(execution_id)
+            if row is not None and row.status != "abandoned":
+                return row
+            if execution_id not in self.used:
+                return None
+        return None
+
+    def next_attempt(self, problem: Problem, member: int, run_id: str | None = None) -> int:
+        """The first attempt of this member whose id the store has never seen."""
+        attempt = 0
+        while execution_id_for(self.step, problem, member, run_id, attempt) in self.used:
+            attempt += 1
+        return attempt
+
+
+def step_ledger(store: StoreConfig, step: int) -> StepLedger:
+    """The step's ledger, read from the store's executions and calls of that step only."""
+    target = Store(store)
+    rows = target.read_columns(
+        "executions", ["execution_id", "group_id", "status", "reward"], step
+    ).to_pylist()
+    ended = {
+        r["execution_id"]: Ended(r["execution_id"], r["group_id"], r["status"], r["reward"]) for r in rows
+    }
+    called = target.read_columns("calls", ["execution_id"], step).column("execution_id").to_pylist()
+    return StepLedger(step, ended, frozenset(ended) | frozenset(called))
 
 
 async def dispatch(
@@ -267,6 +343,7 @@ async def dispatch(
     config: DispatchConfig | None = None,
     members: dict[str, list[int]] | None = None,
     on_outcome: Callable[[ExecutionOutcome], None] | None = None,
+    ledger: StepLedger | None = None,
 ) -> list[ExecutionOutcome]:
     """Runs group_size executions of every problem; returns one outcome each (in problem order).
 
@@ -274,12 +351,13 @@ async def dispatch(
     retried step dispatches what did not finish, never a finished execution again. ``on_outcome`` is
     called with each outcome as its execution finishes (progress). An execution id the gateway has
     already finished (409) starts nothing more: the executions already running end as usual, then
-    the GatewayAdminError is raised."""
+    the GatewayAdminError is raised. ``ledger``: what the store holds of the step (read when None),
+    which picks each member's attempt id."""
     config = config or DispatchConfig()
     root = config.workspace_root or tempfile.mkdtemp(prefix="gyre-workspaces-")
     Path(root).mkdir(parents=True, exist_ok=True)
     semaphore = asyncio.Semaphore(config.concurrency)
-    runner = _Runner(Store(store), config, root)
+    runner = _Runner(Store(store), config, root, ledger or step_ledger(store, config.step))
     refused: list[GatewayAdminError] = []
     try:
         async with httpx.AsyncClient() as client:
@@ -313,9 +391,33 @@ async def dispatch(
             shutil.rmtree(root, ignore_errors=True)
 
 
+async def dispatch_missing(
+    problems: list[Problem],
+    gateway_url: str,
+    admin_token: str,
+    store: StoreConfig,
+    config: DispatchConfig,
+    on_outcome: Callable[[ExecutionOutcome], None] | None = None,
+) -> tuple[list[ExecutionOutcome], int]:
+    """(outcomes, already ended): dispatches the members of ``problems`` that have not ended in the
+    store, so a retried step (or a dispatcher run again after one died) never runs a member twice."""
+    ledger = step_ledger(store, config.step)
+    members = {
+        p.problem_id: [m for m in range(config.group_size) if ledger.outcome(p, m, config.run_id) is None]
+        for p in problems
+    }
+    ended = sum(config.group_size - len(m) for m in members.values())
+    todo = [p for p in problems if members[p.problem_id]]
+    if not todo:
+        return [], ended
+    outcomes = await dispatch(todo, gateway_url, admin_token, store, config, members, on_outcome, ledger)
+    return outcomes, ended
+
+
 class _Runner:
-    def __init__(self, store: Store, config: DispatchConfig, root: str):
-        self.store, self.config, self.root = store, config, Path(root)
+    def __init__(self, store: Store, config: DispatchConfig, root: str, ledger: StepLedger):
+        self.store, self.config, self.root, self.ledger = store, config, Path(root), ledger
+        self.token = secrets.token_hex(16)  # this dispatcher's attempts (RegisterExecution.attempt)
         self.snapshots = SnapshotStore(store)  # one blob index for the whole batch: a group shares files
         self.harness_name = config.harness_name or harness_name(config.harness_command)
         # harness inputs and outputs live apart from the workspaces, where no command can see them
@@ -323,18 +425,11 @@ class _Runner:
 
     async def run(self, admin: GatewayAdmin, problem: Problem, member: int) -> ExecutionOutcome:
         config = self.config
-        execution_id = execution_id_for(config.step, problem, member, config.run_id)
         group_id = group_id_for(config.step, problem, config.run_id)
-        outcome = ExecutionOutcome(execution_id, problem.problem_id, group_id, "error", 0.0, "placeholder")
         started = time.monotonic()
-        registration = await admin.register(
-            execution_id,
-            problem_id=problem.problem_id,
-            group_id=group_id,
-            step=config.step,
-            harness=self.harness_name,
-            campaign=config.campaign,
-        )
+        execution_id, registration = await self._register(admin, problem, member, group_id)
+        outcome = ExecutionOutcome(execution_id, problem.problem_id, group_id, "error", 0.0, "placeholder")
+        outcome.member_id = execution_id_for(config.step, problem, member, config.run_id)
         try:
             await self._execute(problem, execution_id, registration, outcome)
         except Exception as exc:  # one execution's failure never stops the batch: it is recorded
@@ -351,6 +446,65 @@ class _Runner:
         )
         outcome.calls = max(outcome.calls, int(finished.get("calls") or 0))
         return outcome
+
+    async def _register(
+        self, admin: GatewayAdmin, problem: Problem, member: int, group_id: str
+    ) -> tuple[str, dict[str, Any]]:
+        """Registers the member's first attempt the store has not seen; an attempt the gateway still
+        holds for a dead dispatcher is abandoned there (409 execution_superseded) and the next taken.
+        Earlier attempts that took calls and never ended are recorded as abandoned first."""
+        config = self.config
+        if (ended := self.ledger.outcome(problem, member, config.run_id)) is not None:
+            message = f"execution {ended.execution_id} already finished ({ended.status} in the store); register a new id"
+            refused = GatewayAdminError("/admin/executions", 409, message)
+            refused.code = "execution_finished"
+            raise refused
+        first = self.ledger.next_attempt(problem, member, config.run_id)
+        for attempt in range(first):
+            earlier = execution_id_for(config.step, problem, member, config.run_id, attempt)
+            if earlier not in self.ledger.ended:
+                await self._abandon(admin, earlier, problem, group_id)
+        for attempt in range(first, first + MAX_ATTEMPTS):
+            execution_id = execution_id_for(config.step, problem, member, config.run_id, attempt)
+            try:
+                registration = await self._register_as_mine(admin, execution_id, problem, group_id)
+            except GatewayAdminError as exc:
+                if exc.code != "execution_superseded":
+                    raise
+                log.warning(
+                    "execution %s was left by a dead dispatcher: abandoned, next attempt", execution_id
+                )
+                continue
+            return execution_id, registration
+        raise RuntimeError(
+            f"member {member} of {problem.problem_id} at step {config.step}: {MAX_ATTEMPTS} attempts in a "
+            "row were superseded; another dispatcher is running the same step"
+        )
+
+    async def _register_as_mine(
+        self, admin: GatewayAdmin, execution_id: str, problem: Problem, group_id: str
+    ) -> dict[str, Any]:
+        """Registers ``execution_id`` under this dispatcher's attempt token."""
+        return await admin.register(
+            execution_id,
+            problem_id=problem.problem_id,
+            group_id=group_id,
+            step=self.config.step,
+            harness=self.harness_name,
+            campaign=self.config.campaign,
+            attempt=self.token,
+        )
+
+    async def _abandon(self, admin: GatewayAdmin, execution_id: str, problem: Problem, group_id: str) -> None:
+        """Gives a dead attempt its ending: abandoned by the gateway if it is live there (superseded),
+        else (the gateway restarted since) registered again and finished as abandoned at once."""
+        try:
+            await self._register_as_mine(admin, execution_id, problem, group_id)
+        except GatewayAdminError as exc:
+            if exc.code in ("execution_superseded", "execution_finished"):
+                return
+            raise
+        await admin.finish(execution_id, "abandoned", reward=None)
 
     async def _execute(self, problem, execution_id, registration, outcome: ExecutionOutcome) -> None:
         config = self.config
@@ -416,7 +570,7 @@ class _Runner:
             env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # ours only: an external
             # harness keeps its own environment (gyre's path would shadow a harness in another venv)
             harness = config.harness
-            turns = config.durations.turns(execution_id)
+            turns = config.durations.turns(outcome.member_id or execution_id)
             outcome.turn_budget = turns
             seed = int(hashlib.md5(execution_id.encode()).hexdigest()[:8], 16)
             fields = {**asdict(harness), "max_turns": turns, "seed": seed}

@@ -33,7 +33,7 @@ from prefect import task
 from prefect.artifacts import update_progress_artifact
 from pydantic import BaseModel, Field
 
-from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch, execution_id_for
+from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch_missing
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
 from tasks.services import Services, policy_path, prune_fast_dir, serve_version, sleep_engines
@@ -137,15 +137,6 @@ def held_out_problems(config: EvaluationConfig, problems: ProblemsConfig) -> lis
 # -- rollouts --------------------------------------------------------------------------------
 
 
-def finished_executions(store: StoreConfig, step: int) -> set[str]:
-    """Ids of the executions of ``step`` the store holds (they ended and were recorded)."""
-    table = Store(store).read_table("executions")
-    if table.num_rows == 0:
-        return set()
-    steps = table.column("step").to_pylist()
-    return {e for e, s in zip(table.column("execution_id").to_pylist(), steps, strict=True) if s == step}
-
-
 def run_missing(
     problems: list[dict[str, Any]],
     services: Services,
@@ -154,29 +145,19 @@ def run_missing(
     on_outcome: Callable[[ExecutionOutcome], None] | None = None,
 ) -> dict[str, Any]:
     """Dispatches the members of ``problems`` the store does not hold yet; counts both."""
-    chosen = [Problem.from_json(p) for p in problems]
-    done = finished_executions(store, config.step)
-    members = {
-        p.problem_id: [m for m in range(config.group_size) if execution_id_for(config.step, p, m) not in done]
-        for p in chosen
-    }
-    todo = [p for p in chosen if members[p.problem_id]]
-    outcomes = []
-    if todo:
-        outcomes = asyncio.run(
-            dispatch(
-                todo,
-                services.gateway_url,
-                services.admin_token.get_secret_value(),
-                store,
-                config,
-                members,
-                on_outcome,
-            )
+    outcomes, ended = asyncio.run(
+        dispatch_missing(
+            [Problem.from_json(p) for p in problems],
+            services.gateway_url,
+            services.admin_token.get_secret_value(),
+            store,
+            config,
+            on_outcome,
         )
+    )
     return {
         "dispatched": len(outcomes),
-        "already_finished": sum(config.group_size - len(m) for m in members.values()),
+        "already_finished": ended,
         "by_status": {s: sum(o.status == s for o in outcomes) for s in {o.status for o in outcomes}},
     }
 
@@ -255,7 +236,7 @@ def evaluate(
     figures = step_figures(con, version)
     by_suite = con.execute(
         """SELECT split_part(problem_id, '-', 1), avg(CASE WHEN reward = 1.0 THEN 1.0 ELSE 0.0 END), avg(reward)
-           FROM executions WHERE step = ? GROUP BY ALL ORDER BY 1""",
+           FROM executions WHERE step = ? AND status <> 'abandoned' GROUP BY ALL ORDER BY 1""",
         [version],
     ).fetchall()
     for suite, pass_rate, reward in by_suite:

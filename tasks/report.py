@@ -32,6 +32,7 @@ STEP_COLUMNS = (
     ("executions_timeout", "timeout"),
     ("executions_error", "error"),
     ("executions_eval_failed", "eval_failed"),
+    ("executions_abandoned", "abandoned"),
     ("executions_zero_signal", "zero-signal"),
     ("executions_stale", "stale"),
     ("tokens_naive", "tokens as sent"),

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 from engines.train.config import TrainerConfig
 from engines.train.run import TrainStepRequest
 from engines.train.stream import StreamProducer, write_chunk
-from environments.dispatch import DispatchConfig, dispatch, execution_id_for, group_id_for
+from environments.dispatch import DispatchConfig, StepLedger, dispatch, group_id_for, step_ledger
 from environments.problems import Problem
 from scheduler.cells import Admin, CellPool, CellSpec
 from scheduler.controller import Chunk, Controller, Outcome, StepWork
@@ -151,10 +151,13 @@ class CampaignRuntime:
         self.init_model, self.max_policy_lag = init_model, max_policy_lag
         self.trainer_threads, self.seed = trainer_threads, seed
         self.core: CoreService | None = None
+        self.ledgers: dict[int, StepLedger] = {}
 
     async def execute(self, step: int, problem: dict[str, Any], member: int) -> Outcome:
         chosen = Problem.from_json(problem)
         config = replace(self.config, step=step, campaign=self.store.campaign)
+        if step not in self.ledgers:  # read once a step: this process dispatches each member once
+            self.ledgers[step] = step_ledger(self.store, step)
         outcomes = await dispatch(
             [chosen],
             self.services.gateway_url,
@@ -162,6 +165,7 @@ class CampaignRuntime:
             self.store,
             config,
             {chosen.problem_id: [member]},
+            ledger=self.ledgers[step],
         )
         o = outcomes[0]
         return Outcome(o.execution_id, o.group_id, o.status, float(o.reward or 0.0))
@@ -289,19 +293,18 @@ def cell_pool(admin: Admin, engine_urls: list[str], model_dir: str) -> CellPool:
 
 
 def _finished_members(store: StoreConfig, step: int, problems: list[dict[str, Any]], group_size: int):
-    """(problem id, member) -> Outcome of the step's executions the store holds (they ended)."""
-    con = connect(Store(store), SelectionConfig())
-    rows = con.execute(
-        "SELECT execution_id, group_id, status, coalesce(reward, 0) FROM executions WHERE step = ?", [step]
-    ).fetchall()
-    con.close()
-    ended = {r[0]: Outcome(r[0], r[1] or "", r[2], float(r[3])) for r in rows}
-    return {
-        (p["problem_id"], m): ended[key]
-        for p in problems
-        for m in range(group_size)
-        if (key := execution_id_for(step, Problem.from_json(p), m)) in ended
-    }
+    """(problem id, member) -> Outcome of the step's members the store holds as ended (any attempt
+    but an abandoned one)."""
+    ledger = step_ledger(store, step)
+    finished = {}
+    for p in problems:
+        for m in range(group_size):
+            if (row := ledger.outcome(Problem.from_json(p), m)) is not None:
+                reward = float(row.reward or 0.0)
+                finished[(p["problem_id"], m)] = Outcome(
+                    row.execution_id, row.group_id or "", row.status, reward
+                )
+    return finished
 
 
 def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
@@ -472,8 +475,12 @@ def run_scheduler(job: ScheduleJob, last_step: int, on_line=None) -> dict[str, A
         last = last_committed.fn(job.store)
         start = last.step + 1 if last else 0
         restarts.append({"exit": code, "at_step": start, "t": time.time()})
-        write_metrics(
-            job.store, start, {"scheduler_restarts": float(len(restarts))}, time.time(), "scheduler"
+        write_metrics(  # a part per restart: two restarts at one step never collide
+            job.store,
+            start,
+            {"scheduler_restarts": float(len(restarts))},
+            time.time(),
+            f"scheduler-r{len(restarts)}",
         )
         if start >= job.steps:
             return {"version": job.steps, "restarts": restarts}

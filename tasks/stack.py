@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -34,6 +34,8 @@ class LocalStack:
     engine_urls: list[str]
     engine_admin_token: str
     store: StoreConfig
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    """The server processes by URL (the engines' and the gateway's): fault tests kill them."""
 
 
 @contextlib.contextmanager
@@ -52,7 +54,7 @@ def local_stack(
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with contextlib.ExitStack() as stack:
-        engine_urls = []
+        engine_urls, processes = [], {}
         for _ in range(engines):
             engine = EngineServerConfig(
                 model=model_dir,
@@ -62,7 +64,9 @@ def local_stack(
             )  # engine_id None: each engine is rollout-<its port>
             url = f"http://{engine.host}:{engine.port}"
             command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
-            stack.enter_context(serving_process(command, url, env, stdin=engine.model_dump_json()))
+            processes[url] = stack.enter_context(
+                serving_process(command, url, env, stdin=engine.model_dump_json())
+            )
             engine_urls.append(url)
         gateway = GatewayConfig(
             model=model_dir,
@@ -74,10 +78,10 @@ def local_stack(
             step=step,
         )
         command = [sys.executable, "-m", "engines.gateway", "--config", "-"]
-        stack.enter_context(
+        processes[gateway.base_url()] = stack.enter_context(
             serving_process(command, gateway.base_url(), env, stdin=gateway.model_dump_json())
         )
-        yield LocalStack(gateway.base_url(), admin_token, engine_urls, engine_token, store)
+        yield LocalStack(gateway.base_url(), admin_token, engine_urls, engine_token, store, processes)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,13 @@
 """The scheduler service in a campaign: `[scheduler] policy = "elastic"` runs the steps on cells in a
 supervised process; SIGKILLed mid-step, it is noticed, killed with everything it started and started
-again from the store: the campaign ends with every step committed once, every execution recorded
-once (none dispatched again after it ended), and the restart in the metrics."""
+again from the store: the campaign ends with every step committed once, every group member ended
+once (none dispatched again after it ended; the attempts live at the kill recorded as abandoned and
+run again under new ids), and the restart in the metrics."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -75,7 +77,9 @@ def test_a_killed_scheduler_is_restarted_from_the_store(prefect_harness, tmp_pat
     assert not _scheduler_pids(), "a scheduler process outlived the campaign"
 
     con = connect(store)
-    recorded = con.execute("SELECT execution_id, count(*) FROM executions_raw GROUP BY ALL").fetchall()
+    recorded = con.execute(
+        "SELECT execution_id, status, count(*) FROM executions_raw GROUP BY ALL"
+    ).fetchall()
     restarts = con.execute("SELECT max(value) FROM metrics WHERE name = 'scheduler_restarts'").fetchone()[0]
     phases = con.execute(
         "SELECT name, count(*), min(value) FROM metrics WHERE name LIKE 'switch_to_train_%' AND cell_id IS NOT NULL "
@@ -88,5 +92,11 @@ def test_a_killed_scheduler_is_restarted_from_the_store(prefect_harness, tmp_pat
         "switch_to_train_sleep_s",
     }
     assert all(count >= 1 and low >= 0 for _, count, low in phases)
-    assert len(recorded) == 8 and all(n == 1 for _, n in recorded), recorded
+    assert all(n == 1 for *_, n in recorded), recorded  # every attempt recorded once
+    ended = [e for e, status, _ in recorded if status != "abandoned"]
+    assert len(ended) == 8 and len({re.sub(r"-a\d+$", "", e) for e in ended}) == 8, recorded  # a member once
+    # the executions live when the scheduler died are abandoned; each member's next attempt ended
+    for abandoned in [e for e, status, _ in recorded if status == "abandoned"]:
+        base = re.sub(r"-a\d+$", "", abandoned)
+        assert any(e.startswith(base) and e != abandoned for e in ended), (abandoned, recorded)
     assert restarts == 1.0

@@ -23,7 +23,7 @@ class SelectionConfig(BaseModel):
     seed: int = Field(0, description="seed of the weighted sampling within a role")
     trainable_statuses: list[str] = Field(
         default_factory=lambda: ["completed", "timeout"],
-        description="executions with these statuses are trained on (eval_failed never is)",
+        description="executions with these statuses are trained on (eval_failed and abandoned never are)",
     )
 
     @field_validator("role_priority")
@@ -44,6 +44,8 @@ class SelectionConfig(BaseModel):
             raise ValueError(f"unknown statuses {unknown}; expected some of {list(STATUSES)}")
         if "eval_failed" in statuses:
             raise ValueError("eval_failed executions have no trustworthy reward and are never trained on")
+        if "abandoned" in statuses:
+            raise ValueError("abandoned executions were replaced by a new attempt and have no reward")
         return statuses
 
 

@@ -30,8 +30,10 @@ SCHEMA_VERSION = 1
 
 Role = Literal["main", "sub", "main_summary", "sub_summary"]
 """Who made a call; summary roles are context-compression calls."""
-Status = Literal["completed", "timeout", "error", "eval_failed"]
-"""How an execution ended (eval_failed: the grader failed; never trained on)."""
+Status = Literal["completed", "timeout", "error", "eval_failed", "abandoned"]
+"""How an execution ended (eval_failed: the grader failed; abandoned: its dispatcher died and a new
+attempt of the same group member replaced it, so its calls are kept but never trained on or graded).
+"""
 RewardSource = Literal["final", "workspace_snapshot", "placeholder"]
 """Where an execution's reward came from: its final workspace, a snapshot of a timed-out one, or
 nothing to grade (a reward-0 placeholder)."""

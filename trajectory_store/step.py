@@ -24,7 +24,9 @@ ZERO_SIGNAL = "zero-signal group: every member has the same reward"
 
 
 def step_figures(con: duckdb.DuckDBPyConnection, step: int) -> dict[str, float]:
-    """Executions by status, mean reward and pass rate (reward 1), groups, and tokens of one step."""
+    """Executions by status, mean reward and pass rate (reward 1), groups, and tokens of one step.
+    An abandoned execution (replaced by a new attempt) counts under its status only: the pass rate and
+    the reward are over the executions that ended."""
     step = int(step)
     by_status = dict(
         con.execute("SELECT status, count(*) FROM executions WHERE step = ? GROUP BY ALL", [step]).fetchall()
@@ -33,7 +35,7 @@ def step_figures(con: duckdb.DuckDBPyConnection, step: int) -> dict[str, float]:
         """SELECT count(*), count(*) FILTER (WHERE status <> 'eval_failed' AND reward IS NOT NULL),
                   coalesce(sum(reward) FILTER (WHERE status <> 'eval_failed'), 0),
                   count(*) FILTER (WHERE reward = 1.0 AND status <> 'eval_failed')
-           FROM executions WHERE step = ?""",
+           FROM executions WHERE step = ? AND status <> 'abandoned'""",
         [step],
     ).fetchall()[0]
     calls, naive, unique = con.execute(

@@ -256,6 +256,17 @@ class Store:
             return SCHEMAS[kind].empty_table()
         return pa.concat_tables(tables)
 
+    def read_columns(self, kind: str, columns: list[str], step: int) -> pa.Table:
+        """Some columns of one step's visible rows of a dataset (only that step's parts are read)."""
+        marker = f"/{kind}/step={int(step)}/"
+        tables = [
+            pq.read_table(io.BytesIO(self.read_bytes(path)), columns=columns)
+            for path in self.visible_parts(kind)
+            if marker in path
+        ]
+        schema = pa.schema([SCHEMAS[kind].field(c) for c in columns])
+        return pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
+
     # -- quarantine ----------------------------------------------------------------------------
     def quarantine(self, step: int, entries: list[dict[str, Any]]) -> str | None:
         """Keeps records that failed validation, each with the reason; returns the file written."""

@@ -218,7 +218,7 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
     @app.post("/admin/executions")
     async def register(request: Request) -> dict:
         admin(request)
-        return gateway.register_execution(await read(request, RegisterExecution))
+        return await gateway.register_execution(await read(request, RegisterExecution))
 
     @app.get("/admin/executions/{execution_id}")
     async def execution_info(request: Request, execution_id: str) -> dict:

@@ -176,6 +176,14 @@ class RegisterExecution(_Lenient):
         description="record the execution in this campaign of the gateway's data root (default: the "
         "gateway's own; a held-out evaluation beside a training campaign uses one)",
     )
+    attempt: str | None = Field(
+        None,
+        max_length=128,
+        description="an opaque token of the dispatcher's attempt: registering a live execution again "
+        "with the same token returns it (a retried request); with another token, the live one belonged "
+        "to a dispatcher that died: it is recorded as abandoned and the register is refused with 409 "
+        "execution_superseded, so the new attempt takes a new id and never inherits the old one's calls",
+    )
 
 
 class FinishExecution(_Lenient):

@@ -43,6 +43,7 @@ class Execution:
     harness: str | None = None
     started_at: float = field(default_factory=time.time)
     agents: dict[str, Agent] = field(default_factory=dict)
+    attempt: str | None = None  # the registering dispatcher's token (RegisterExecution.attempt)
     calls: int = 0
     taken_tokens: int = 0  # ids tokenized or generated for its calls (LimitsConfig.max_execution_tokens)
 
@@ -57,6 +58,12 @@ class Registry:
 
     def register(self, body: RegisterExecution, default_step: int) -> tuple[Execution, bool]:
         """(execution, created). Registering a live id again returns it unchanged (retry-safe)."""
+        if self.finished.get(body.execution_id) == "abandoned":
+            raise GatewayError(
+                409,
+                f"execution {body.execution_id} was abandoned (its dispatcher died); register the next attempt",
+                code="execution_superseded",
+            )
         if body.execution_id in self.finished:
             raise GatewayError(
                 409,
@@ -74,6 +81,7 @@ class Registry:
             problem_id=body.problem_id,
             group_id=body.group_id,
             harness=body.harness,
+            attempt=body.attempt,
         )
         self.executions[execution.execution_id] = execution
         self._by_key[execution.api_key] = execution

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 import time
 from collections import deque
@@ -62,6 +63,8 @@ from engines.gateway.stops import StopStrings
 from engines.protocol import EngineCompletionRequest, GyreChoice, common_prefix
 from trajectory_store.schema import RecordError, Role
 from trajectory_store.storage import Store
+
+logger = logging.getLogger(__name__)
 
 _INLINE_CHARS = 32_768  # prompts up to this size are tokenized on the event loop (well under a millisecond)
 
@@ -157,7 +160,18 @@ class Gateway:
             "replaced": old is not None,
         }
 
-    def register_execution(self, body: RegisterExecution) -> dict[str, Any]:
+    async def register_execution(self, body: RegisterExecution) -> dict[str, Any]:
+        live = self.registry.executions.get(body.execution_id)
+        if live is not None and body.attempt is not None and live.attempt != body.attempt:
+            # Another dispatcher's attempt, never finished: its calls are recorded under an abandoned
+            # execution, so no reward of the new attempt is ever joined to them.
+            await self.finish_execution(body.execution_id, FinishExecution(status="abandoned"))
+            raise GatewayError(
+                409,
+                f"execution {body.execution_id} was live under another attempt; it is now recorded as "
+                "abandoned: register the next attempt under a new id",
+                code="execution_superseded",
+            )
         execution, created = self.registry.register(body, self.config.step)
         base = f"{self.config.base_url()}/x/{execution.execution_id}"
         return {
@@ -195,7 +209,13 @@ class Gateway:
         for agent in execution.agents.values():
             busy |= agent.route.lock.locked()
             self.router.release(agent.route.session_id)
-        flushed = await self.flush()
+        try:
+            flushed = await self.flush()
+        except Exception as exc:  # the store is down: the rows stay buffered, the periodic flush retries
+            logger.warning(
+                "flushing at the finish of %s failed (the rows stay buffered): %s", execution_id, exc
+            )
+            flushed = {"error": f"{type(exc).__name__}: {exc}"[:500], "buffered": True}
         if not busy:  # a call still in flight will record into the prefix index: keep it then
             await self.recording.forget(self.registry.target(execution), execution_id)
         return {

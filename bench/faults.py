@@ -1,0 +1,482 @@
+"""`gyre bench faults [--quick]`: faults and load on real processes, each audited for lost and
+duplicated work.
+
+Every fault row runs a step of executions against a local stack (two rollout engine processes
+serving the shipped tiny policy, the gateway process, a store folder), breaks something, and audits
+the step in the store (`audit`):
+
+- lost: group members with no ending (no executions row, or only abandoned attempts), plus calls
+  the gateway answered (executions.n_calls) with no row in calls;
+- duplicated: members with more than one ending that would be trained (a sample trained twice),
+  plus (execution_id, call_id) keys stored twice;
+- unended: ids that took calls and have no executions row at all (a status never recorded);
+- survived: lost, duplicated and unended are 0 and the row's own check holds.
+
+Rows (what breaks, and what recovery_s measures):
+- `dispatcher SIGKILL mid-step`: the process running the step's dispatcher dies with executions
+  live; the dispatcher runs again (as the Prefect task's retry does). Recovery: from the kill until
+  every member has ended.
+- `rollout engine SIGKILL mid-decode`: one of the two engine processes dies with calls in flight;
+  the gateway reroutes its sessions. Recovery: from the kill to the first call answered after it.
+- `harness exits at once`, `harness hangs`, `harness floods the gateway`, `workspace disk quota
+  filled`: misbehaving agents, next to well-behaved executions of the same step. Recovery: from the
+  fault (the exit, the deadline) to the execution's recorded ending, where there is one.
+- `S3 store stopped 30 s`: the store is S3 (moto's server on loopback); it stops while calls are
+  being recorded and comes back 30 s later. Recovery: from its return until a flush goes through.
+- `gateway load`: bench/load_gateway.py (concurrent multi-turn sessions, p50/p99 latency and the
+  gateway's own overhead).
+
+Figures go to bench/results/faults.json: {"rows": [{name, runs, survived, lost, duplicated,
+recovery_s, ...}], ...}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, replace
+from typing import Any
+
+import httpx
+
+from environments.dispatch import (
+    DispatchConfig,
+    DurationProfile,
+    ExecutionOutcome,
+    dispatch_missing,
+    execution_id_for,
+    step_ledger,
+)
+from environments.problems import Problem
+from tasks.rollout import choose_problems
+from tasks.stack import LocalStack, free_port, local_stack
+from trajectory_store.db import connect
+from trajectory_store.storage import Store, StoreConfig
+
+DEFAULT_OUT = "bench/results/faults.json"
+POLICY = "data/policies/tiny-sft"
+SIZES = {
+    True: {
+        "runs": 1,
+        "problems": 3,
+        "group_size": 2,
+        "stall_s": 30.0,
+        "load_sessions": 64,
+        "load_seconds": 20.0,
+    },
+    False: {
+        "runs": 3,
+        "problems": 4,
+        "group_size": 4,
+        "stall_s": 30.0,
+        "load_sessions": 256,
+        "load_seconds": 120.0,
+    },
+}
+TRAINABLE = ("completed", "timeout")
+
+
+# -- the audit -------------------------------------------------------------------------------------
+
+
+def audit(store: StoreConfig, step: int, *groups: tuple[list[Problem], int]) -> dict[str, int]:
+    """Lost, duplicated and unended work of one step (see the module docstring); ``groups``: the
+    problems dispatched, each with its group size."""
+    ledger = step_ledger(store, step)
+    lost = duplicated = abandoned = 0
+    members = [
+        (problem, member) for problems, size in groups for problem in problems for member in range(size)
+    ]
+    for problem, member in members:
+        endings = []
+        for attempt in range(len(ledger.used) + 1):
+            execution_id = execution_id_for(step, problem, member, None, attempt)
+            if execution_id not in ledger.used:
+                break
+            row = ledger.ended.get(execution_id)
+            if row is not None and row.status == "abandoned":
+                abandoned += 1
+            elif row is not None:
+                endings.append(row)
+        lost += not endings
+        duplicated += sum(row.status in TRAINABLE for row in endings) > 1
+    con = connect(Store(store))
+    lost_calls, calls = con.execute(
+        """SELECT coalesce(sum(greatest(e.n_calls - coalesce(c.n, 0), 0)), 0), coalesce(sum(c.n), 0)
+           FROM executions e
+           LEFT JOIN (SELECT execution_id, count(*) AS n FROM calls WHERE step = ? GROUP BY ALL) c
+           USING (execution_id) WHERE e.step = ?""",
+        [step, step],
+    ).fetchone()
+    duplicate_calls = con.execute(
+        "SELECT count(*) - count(DISTINCT (execution_id, call_id)) FROM calls WHERE step = ?", [step]
+    ).fetchone()[0]
+    con.close()
+    return {
+        "lost": lost + int(lost_calls),
+        "duplicated": duplicated + int(duplicate_calls),
+        "unended": len(ledger.used - set(ledger.ended)),
+        "abandoned": abandoned,
+        "calls": int(calls),
+    }
+
+
+def survived(counts: dict[str, int], ok: bool = True) -> bool:
+    return ok and counts["lost"] == 0 and counts["duplicated"] == 0 and counts["unended"] == 0
+
+
+# -- running a step --------------------------------------------------------------------------------
+
+
+def step_config(step: int, group_size: int, root: str, **changes: Any) -> DispatchConfig:
+    """Short executions of the tiny policy (two to four turns), four at a time."""
+    base = DispatchConfig(
+        step=step,
+        group_size=group_size,
+        concurrency=4,
+        timeout_s=60.0,
+        workspace_root=f"{root}/ws-{step}",
+        durations=DurationProfile(short_turns=3, long_fraction=0.0),
+    )
+    return replace(base, **changes)
+
+
+def run_step(
+    stack: LocalStack, problems: list[Problem], config: DispatchConfig, on_outcome=None
+) -> list[ExecutionOutcome]:
+    outcomes, _ = asyncio.run(
+        dispatch_missing(problems, stack.gateway_url, stack.admin_token, stack.store, config, on_outcome)
+    )
+    return outcomes
+
+
+def dispatcher_job() -> int:
+    """`python -m bench.faults --dispatcher`: runs one dispatch_missing from a JSON job on stdin."""
+    job = json.load(sys.stdin)
+    config = DispatchConfig.from_dict(job["config"])
+    problems = [Problem.from_json(p) for p in job["problems"]]
+    store = StoreConfig(**job["store"])
+    asyncio.run(dispatch_missing(problems, job["gateway_url"], job["admin_token"], store, config))
+    return 0
+
+
+def _stats(stack: LocalStack) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {stack.admin_token}"}
+    return httpx.get(f"{stack.gateway_url}/admin/stats", headers=headers, timeout=30).json()
+
+
+def _row(
+    name: str, results: list[tuple[dict[str, int], bool, float | None]], **detail: Any
+) -> dict[str, Any]:
+    recoveries = [r for _, _, r in results if r is not None]
+    return {
+        "name": name,
+        "runs": len(results),
+        "survived": sum(survived(counts, ok) for counts, ok, _ in results),
+        "lost": sum(counts["lost"] for counts, _, _ in results),
+        "duplicated": sum(counts["duplicated"] for counts, _, _ in results),
+        "recovery_s": round(max(recoveries), 2) if recoveries else None,
+        "unended": sum(counts["unended"] for counts, _, _ in results),
+        "abandoned": sum(counts["abandoned"] for counts, _, _ in results),
+        **detail,
+    }
+
+
+# -- the faults ------------------------------------------------------------------------------------
+
+
+def kill_dispatcher(stack: LocalStack, problems: list[Problem], group_size: int, step: int, root: str):
+    """SIGKILLs a dispatcher process once some of the step's executions ended and others are live,
+    then runs the dispatcher again; the dead one's live executions become abandoned attempts."""
+    config = step_config(step, group_size, root, concurrency=2)
+    job = {
+        "config": asdict(config),
+        "problems": [p.to_json() for p in problems],
+        "store": stack.store.model_dump(),
+        "gateway_url": stack.gateway_url,
+        "admin_token": stack.admin_token,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.faults", "--dispatcher"], stdin=subprocess.PIPE, start_new_session=True
+    )
+    process.stdin.write(json.dumps(job).encode())  # type: ignore[union-attr]
+    process.stdin.close()  # type: ignore[union-attr]
+    total = len(problems) * group_size
+    deadline = time.monotonic() + 300
+    live_at_kill = 0
+    while time.monotonic() < deadline and process.poll() is None:
+        ended = step_ledger(stack.store, step).ended
+        live_at_kill = _stats(stack)["executions"]
+        if 0 < len(ended) < total and live_at_kill > 0:
+            break
+        time.sleep(0.2)
+    killed = time.monotonic()
+    mid_step = process.poll() is None
+    with contextlib.suppress(
+        ProcessLookupError
+    ):  # the dispatcher; its harnesses run in sessions of their own
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    run_step(stack, problems, config)
+    recovery = time.monotonic() - killed
+    counts = audit(stack.store, step, (problems, group_size))
+    return counts, mid_step and live_at_kill > 0 and counts["abandoned"] >= 1, recovery
+
+
+def kill_engine(stack: LocalStack, problems: list[Problem], group_size: int, step: int, root: str):
+    """SIGKILLs the second engine process while calls are in flight; the step must still end with
+    every execution completed (or timed out), none failed by the engine's death."""
+    config = step_config(step, group_size, root, durations=DurationProfile(short_turns=6, long_fraction=0.0))
+    victim = stack.engine_urls[-1]
+    outcomes: list[ExecutionOutcome] = []
+    worker = threading.Thread(target=lambda: outcomes.extend(run_step(stack, problems, config)))
+    worker.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and worker.is_alive():
+        engines = {e["url"]: e for e in _stats(stack).get("engines", [])}
+        if step_ledger(stack.store, step).used and engines.get(victim, {}).get("in_flight", 0) > 0:
+            break
+        time.sleep(0.1)
+    killed_wall = time.time()
+    stack.processes[victim].kill()
+    worker.join()
+    counts = audit(stack.store, step, (problems, group_size))
+    con = connect(Store(stack.store))
+    first_after = con.execute(
+        "SELECT min(t_end) FROM calls WHERE step = ? AND t_end > ?", [step, killed_wall]
+    ).fetchone()[0]
+    con.close()
+    ok = all(o.status in TRAINABLE for o in outcomes) and len(outcomes) == len(problems) * group_size
+    recovery = None if first_after is None else first_after - killed_wall
+    return counts, ok, recovery, Counter(o.status for o in outcomes)
+
+
+AGENTS = {
+    "exit": "import sys; sys.exit(3)",
+    "hang": "import time; time.sleep(3600)",
+    "flood": """
+import sys, concurrent.futures, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0, timeout=60)
+def call(i):
+    try:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": f"flood {i}"}], max_tokens=4)
+        return "ok"
+    except openai.APIStatusError as error:
+        return str(error.status_code)
+    except openai.APIError as error:
+        return type(error).__name__
+with concurrent.futures.ThreadPoolExecutor(64) as pool:
+    results = list(pool.map(call, range(256)))
+print({r: results.count(r) for r in set(results)})
+""",
+    "fill": """
+import os, sys
+path, quota, written = os.path.join(sys.argv[1], "fill.bin"), int(sys.argv[2]), 0
+try:
+    with open(path, "wb") as out:
+        while written < (1 << 31):
+            out.write(b"x" * (1 << 20)); out.flush(); written += 1 << 20
+except OSError as error:
+    print("stopped at", written, "bytes:", error)
+    sys.exit(0 if written <= quota else 4)  # completed only when the quota held
+print("never stopped:", written)
+sys.exit(5)
+""",
+}
+
+
+def misbehaving(
+    stack: LocalStack, problems: list[Problem], group_size: int, step: int, root: str, agent: str
+) -> tuple[dict[str, int], bool, float | None, dict[str, Any]]:
+    """One misbehaving execution per problem beside well-behaved ones of the same step: the bad ones
+    end with a recorded status, the good ones complete, and nothing is lost."""
+    script = os.path.join(root, f"agent-{agent}.py")  # a file: the command is a format template
+    with open(script, "w") as f:
+        f.write(AGENTS[agent])
+    quota = 32 << 20
+    command = [sys.executable, script] + {
+        "exit": [],
+        "hang": [],
+        "flood": ["{base_url}", "{api_key}"],
+        "fill": ["{workspace}", str(quota)],
+    }[agent]
+    timeout_s = 8.0 if agent == "hang" else 120.0
+    bad = [Problem(**{**p.to_json(), "problem_id": f"{p.problem_id}-{agent}"}) for p in problems[:1]]
+    bad_config = step_config(
+        step,
+        1,
+        root,
+        harness_command=command,
+        timeout_s=timeout_s,
+        workspace_disk_bytes=quota,
+        workspace_root=f"{root}/ws-{step}-bad",
+    )
+    good_config = step_config(step, group_size, root)
+    started = time.monotonic()
+
+    async def both() -> tuple[list[ExecutionOutcome], list[ExecutionOutcome]]:
+        args = (stack.gateway_url, stack.admin_token, stack.store)
+        (bad_out, _), (good_out, _) = await asyncio.gather(
+            dispatch_missing(bad, *args, bad_config), dispatch_missing(problems, *args, good_config)
+        )
+        return bad_out, good_out
+
+    bad_out, good_out = asyncio.run(both())
+    counts = audit(stack.store, step, (bad, 1), (problems, group_size))
+    expected = {"exit": "error", "hang": "timeout", "flood": "completed", "fill": "completed"}[agent]
+    ok = all(o.status == expected for o in bad_out) and all(o.status in TRAINABLE for o in good_out)
+    recovery = None
+    if agent == "hang":  # past the deadline: kill, snapshot, grade, record
+        recovery = max(o.duration_s for o in bad_out) - timeout_s
+    elif agent == "exit":
+        recovery = max(o.duration_s for o in bad_out)
+    detail = {
+        "bad_status": dict(Counter(o.status for o in bad_out)),
+        "good_status": dict(Counter(o.status for o in good_out)),
+        "step_s": round(time.monotonic() - started, 2),
+    }
+    if agent == "fill":  # the agent exits 0 only if its writes stopped within the quota
+        detail["quota_bytes"] = quota
+    return counts, ok, recovery, detail
+
+
+def s3_stall(problems: list[Problem], group_size: int, root: str, stall_s: float):
+    """The store is S3 (moto's server on loopback, the dev dependency); it stops for ``stall_s`` while
+    the step's calls are being recorded, then comes back with what it held. The gateway keeps its
+    rows buffered until a flush succeeds. Recovery: from the restart until a flush goes through."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # moto takes any; the stack inherits them
+        os.environ.setdefault(name, "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="gyre-faults")
+    store = StoreConfig(data_root="s3://gyre-faults/runs", s3_endpoint_url=endpoint, campaign="stall")
+    config = step_config(0, group_size, root, durations=DurationProfile(short_turns=6, long_fraction=0.0))
+    outcomes: list[ExecutionOutcome] = []
+    try:
+        with local_stack(POLICY, store, engines=2) as stack:
+            worker = threading.Thread(target=lambda: outcomes.extend(run_step(stack, problems, config)))
+            worker.start()
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and worker.is_alive() and not step_ledger(store, 0).used:
+                time.sleep(0.2)
+            server.stop()
+            time.sleep(stall_s)
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+            server.start()
+            back = time.monotonic()
+            worker.join()
+            flushed = None
+            while flushed is None and time.monotonic() < back + 120:
+                with contextlib.suppress(httpx.HTTPError):
+                    headers = {"Authorization": f"Bearer {stack.admin_token}"}
+                    answer = httpx.post(f"{stack.gateway_url}/admin/flush", headers=headers, timeout=60)
+                    if answer.status_code == 200:
+                        flushed = time.monotonic()
+                time.sleep(0.5)
+            counts = audit(store, 0, (problems, group_size))
+    finally:
+        server.stop()
+    ok = len(outcomes) == len(problems) * group_size and flushed is not None
+    recovery = None if flushed is None else flushed - back
+    return counts, ok, recovery, dict(Counter(o.status for o in outcomes))
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+
+
+def run(quick: bool) -> dict[str, Any]:
+    size = SIZES[quick]
+    root = tempfile.mkdtemp(prefix="gyre-faults-")
+    store = StoreConfig(data_root=f"{root}/store", campaign="faults")
+    problems = choose_problems("mixed", size["problems"], seed=11)
+    rows = []
+    started = time.monotonic()
+    step = 0
+    with local_stack(POLICY, store, engines=2) as stack:
+        for agent, name in (
+            ("exit", "harness exits at once"),
+            ("hang", "harness hangs"),
+            ("flood", "harness floods the gateway"),
+            ("fill", "workspace disk quota filled"),
+        ):
+            results, details = [], []
+            for _ in range(size["runs"]):
+                counts, ok, recovery, detail = misbehaving(
+                    stack, problems, size["group_size"], step, root, agent
+                )
+                results.append((counts, ok, recovery))
+                details.append(detail)
+                step += 1
+            rows.append(_row(name, results, detail=details))
+            print(json.dumps(rows[-1]), flush=True)
+        results = []
+        for _ in range(size["runs"]):
+            results.append(kill_dispatcher(stack, problems, size["group_size"], step, root))
+            step += 1
+        rows.append(_row("dispatcher SIGKILL mid-step", results))
+        print(json.dumps(rows[-1]), flush=True)
+        # last: it leaves one engine
+        counts, ok, recovery, statuses = kill_engine(stack, problems, size["group_size"], step, root)
+        rows.append(
+            _row("rollout engine SIGKILL mid-decode", [(counts, ok, recovery)], statuses=dict(statuses))
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    counts, ok, recovery, statuses = s3_stall(problems, size["group_size"], root, size["stall_s"])
+    rows.append(
+        _row(f"S3 store stopped {size['stall_s']:.0f} s", [(counts, ok, recovery)], statuses=statuses)
+    )
+    print(json.dumps(rows[-1]), flush=True)
+    from bench.load_gateway import gateway_load
+
+    load = gateway_load(size["load_sessions"], size["load_seconds"], root=f"{root}/load")
+    rows.append({**load, "recovery_s": None})  # nothing breaks: nothing to recover from
+    print(json.dumps(rows[-1]), flush=True)
+    return {
+        "quick": quick,
+        "rows": rows,
+        "all_survived": all(r["survived"] == r["runs"] for r in rows),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def print_table(figures: dict[str, Any]) -> None:
+    print(f"{'fault or load':<36} {'runs':>4} {'survived':>8} {'lost':>5} {'dup':>4} {'recovery s':>10}")
+    for row in figures["rows"]:
+        recovery = "-" if row["recovery_s"] is None else f"{row['recovery_s']:.2f}"
+        print(
+            f"{row['name']:<36} {row['runs']:>4} {row['survived']:>8} {row['lost']:>5} "
+            f"{row['duplicated']:>4} {recovery:>10}"
+        )
+
+
+def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
+    figures = run(quick)
+    print_table(figures)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(figures, f, indent=2)
+    print(f"wrote {out}")
+    return 0 if figures["all_survived"] else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--dispatcher"]:
+        sys.exit(dispatcher_job())
+    sys.exit(main(quick="--quick" in sys.argv))

@@ -1,0 +1,143 @@
+"""A dispatcher that dies leaves live executions at the gateway with calls already recorded: the next
+attempt of the same group member takes a new id, the dead attempt is recorded as abandoned, and no
+reward is ever joined to another attempt's calls (a real gateway, a scripted engine, the store)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from environments.dispatch import (
+    DispatchConfig,
+    DurationProfile,
+    GatewayAdmin,
+    GatewayAdminError,
+    dispatch,
+    step_ledger,
+)
+from tests.scripted_engine import scripted_stack, tool_call
+from tests.test_gateway_fixtures import ADMIN_TOKEN
+from tests.test_harness import turns, two_file_problem
+from trajectory_store.db import connect
+from trajectory_store.step import step_figures
+from trajectory_store.storage import Store
+
+
+def policy(text: str) -> str:
+    if turns(text) == 0:
+        return tool_call("write_file", path="a.txt", content="alpha\n")
+    return tool_call("finish", summary="half")
+
+
+def dead_dispatcher(stack, execution_id: str, problem_id: str, group_id: str, calls: int) -> None:
+    """Registers an execution as a dispatcher would, makes ``calls`` calls, flushes them to the store
+    and never finishes it (the dispatcher died)."""
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as client:
+            admin = GatewayAdmin(stack.url, ADMIN_TOKEN, client)
+            registration = await admin.register(
+                execution_id, problem_id=problem_id, group_id=group_id, step=0, attempt="dead-dispatcher"
+            )
+            again = await admin.register(
+                execution_id, problem_id=problem_id, group_id=group_id, step=0, attempt="dead-dispatcher"
+            )
+            assert (
+                again["created"] is False and again["api_key"] == registration["api_key"]
+            )  # a retried request
+            model = openai.AsyncOpenAI(base_url=registration["base_url"], api_key=registration["api_key"])
+            messages = [{"role": "user", "content": "start"}]
+            for _ in range(calls):
+                reply = await model.chat.completions.create(model="any", messages=messages, max_tokens=32)
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""}]
+                messages += [{"role": "user", "content": "go on"}]
+            await admin._request("POST", "/admin/flush")
+
+    asyncio.run(run())
+
+
+def run_step(stack, problem, tmp_path, ledger=None):
+    config = DispatchConfig(
+        workspace_root=str(tmp_path / "ws"),
+        group_size=1,
+        durations=DurationProfile(short_turns=5, long_fraction=0.0),
+    )
+    return asyncio.run(dispatch([problem], stack.url, ADMIN_TOKEN, stack.store_config, config, ledger=ledger))
+
+
+def test_a_new_attempt_abandons_the_dead_one_and_never_inherits_its_calls(tmp_path):
+    problem = two_file_problem("good")
+    with scripted_stack(str(tmp_path), policy) as stack:
+        dead_dispatcher(stack, "s0-good-g0", "good", "s0-good", calls=3)
+        ledger = step_ledger(stack.store_config, 0)
+        assert "s0-good-g0" in ledger.used and ledger.outcome(problem, 0) is None  # calls, no ending
+        [outcome] = run_step(stack, problem, tmp_path)
+        store = Store(stack.store_config)
+        rows = {r["execution_id"]: r for r in store.read_table("executions").to_pylist()}
+        calls = store.read_table("calls").to_pylist()
+        ledger = step_ledger(stack.store_config, 0)
+        con = connect(store)
+        selected = {
+            r[0] for r in con.execute("SELECT DISTINCT execution_id FROM selected_trajectories").fetchall()
+        }
+        figures = step_figures(con, 0)
+    assert outcome.execution_id == "s0-good-g0-a1" and outcome.status == "completed" and outcome.reward == 0.5
+    dead = rows["s0-good-g0"]
+    assert dead["status"] == "abandoned" and dead["reward"] is None and dead["group_id"] == "s0-good"
+    assert rows["s0-good-g0-a1"]["reward"] == 0.5
+    by_execution = {}
+    for call in calls:
+        by_execution[call["execution_id"]] = by_execution.get(call["execution_id"], 0) + 1
+    assert by_execution["s0-good-g0"] == 3  # the dead attempt's calls, kept under its own id
+    assert by_execution["s0-good-g0-a1"] == outcome.calls >= 2
+    assert selected == {"s0-good-g0-a1"}  # the abandoned attempt is never trained on
+    assert figures["executions"] == 1 and figures["executions_abandoned"] == 1 and figures["pass_rate"] == 0
+    assert ledger.outcome(problem, 0).execution_id == "s0-good-g0-a1"  # the member is done: a retried
+    # step dispatches nothing more for it
+
+
+def test_calls_left_by_a_gateway_that_died_push_the_next_attempt_to_a_new_id(tmp_path):
+    """The gateway died with the execution live: its calls are in the store, the gateway that comes
+    back has never heard of it, so only the store can tell that the id is taken."""
+    problem = two_file_problem("good")
+    with scripted_stack(str(tmp_path), policy) as stack:
+        dead_dispatcher(stack, "s0-good-g0", "good", "s0-good", calls=2)
+    with scripted_stack(str(tmp_path), policy) as stack:
+        [outcome] = run_step(stack, problem, tmp_path)
+        calls = Store(stack.store_config).read_table("calls").column("execution_id").to_pylist()
+        rows = {
+            r["execution_id"]: r["status"]
+            for r in Store(stack.store_config).read_table("executions").to_pylist()
+        }
+    assert outcome.execution_id == "s0-good-g0-a1" and outcome.status == "completed"
+    assert calls.count("s0-good-g0") == 2 and calls.count("s0-good-g0-a1") == outcome.calls
+    assert rows == {"s0-good-g0": "abandoned", "s0-good-g0-a1": "completed"}  # every attempt has an ending
+
+
+def test_two_live_dispatchers_never_both_finish_one_member(tmp_path):
+    """The second dispatcher supersedes the first one's attempt; the first's finish is refused."""
+    with scripted_stack(str(tmp_path), policy) as stack:
+
+        async def run() -> None:
+            async with httpx.AsyncClient() as client:
+                admin = GatewayAdmin(stack.url, ADMIN_TOKEN, client)
+                await admin.register(
+                    "s0-good-g0", problem_id="good", group_id="s0-good", step=0, attempt="first"
+                )
+                with pytest.raises(GatewayAdminError) as refused:
+                    await admin.register(
+                        "s0-good-g0", problem_id="good", group_id="s0-good", step=0, attempt="second"
+                    )
+                assert refused.value.status == 409 and refused.value.code == "execution_superseded"
+                with pytest.raises(GatewayAdminError) as late:
+                    await admin.finish("s0-good-g0", "completed", reward=1.0, reward_source="final")
+                assert late.value.status == 404
+
+        asyncio.run(run())
+        rows = Store(stack.store_config).read_table("executions").to_pylist()
+    assert [(r["execution_id"], r["status"], r["reward"]) for r in rows] == [
+        ("s0-good-g0", "abandoned", None)
+    ]
