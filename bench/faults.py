@@ -23,6 +23,8 @@ Rows (what breaks, and what recovery_s measures):
   fault (the exit, the deadline) to the execution's recorded ending, where there is one.
 - `S3 store stopped 30 s`: the store is S3 (moto's server on loopback); it stops while calls are
   being recorded and comes back 30 s later. Recovery: from its return until a flush goes through.
+- `2,000 executions in one step`: the campaign's roll-out task in a Prefect flow (an ephemeral
+  Prefect server), a one-call curl agent: the Prefect task runs it costs, and every execution in SQL.
 - `gateway load`: bench/load_gateway.py (concurrent multi-turn sessions, p50/p99 latency and the
   gateway's own overhead).
 
@@ -59,6 +61,7 @@ from environments.dispatch import (
 )
 from environments.problems import Problem
 from tasks.rollout import choose_problems
+from tasks.services import Services  # module level: the flow's annotations resolve against it
 from tasks.stack import LocalStack, free_port, local_stack
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
@@ -398,6 +401,71 @@ def s3_stall(problems: list[Problem], group_size: int, root: str, stall_s: float
     return counts, ok, recovery, dict(Counter(o.status for o in outcomes))
 
 
+CURL_AGENT = """#!/bin/bash
+# one model call, as cheap as an agent can be: the load is on the dispatcher, the gateway and Prefect
+curl -sf -X POST "$1/chat/completions" -H "Authorization: Bearer $2" -H "Content-Type: application/json" \\
+  -d '{"model": "any", "messages": [{"role": "user", "content": "one call"}], "max_tokens": 4}' > /dev/null
+"""
+
+
+def big_step(executions: int, root: str) -> tuple[dict[str, int], bool, dict[str, Any]]:
+    """One campaign step of ``executions`` executions (groups of 4; a one-call curl agent) as the
+    campaign's `roll out step` task in a Prefect flow on an ephemeral Prefect server: coarse tasks keep
+    the server's load flat however many executions a step has, and SQL sees every execution."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.testing.utilities import prefect_test_harness
+    from pydantic import SecretStr
+
+    from tasks.campaign import roll_out
+
+    script = os.path.join(root, "agent-curl.sh")
+    with open(script, "w") as f:
+        f.write(CURL_AGENT)
+    group = 4
+    problems = choose_problems("terminal", executions // group, seed=5)
+    store = StoreConfig(data_root=f"{root}/big", campaign="big")
+    config = step_config(
+        0, group, root, concurrency=16, harness_command=["bash", script, "{base_url}", "{api_key}"]
+    )
+
+    @flow(name="big-step", flow_run_name=f"{executions} executions in one step")
+    def step_flow(services: Services) -> dict[str, Any]:
+        return roll_out([p.to_json() for p in problems], services, store, config, 0)
+
+    async def task_runs(flow_run_id) -> list[str]:
+        async with get_client() as client:
+            flow_filter = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            return [t.name for t in await client.read_task_runs(flow_run_filter=flow_filter)]
+
+    with prefect_test_harness(server_startup_timeout=120), local_stack(POLICY, store, engines=1) as stack:
+        services = Services(
+            gateway_url=stack.gateway_url,
+            admin_token=SecretStr(stack.admin_token),
+            engine_urls=stack.engine_urls,
+            engine_admin_token=SecretStr(stack.engine_admin_token),
+            policy_root=f"{root}/big/policy",
+            fast_dir=f"{root}/big/fast",
+        )
+        started = time.monotonic()
+        state = step_flow(services, return_state=True)
+        seconds = time.monotonic() - started
+        tasks = asyncio.run(task_runs(state.state_details.flow_run_id))
+    counts = audit(store, 0, (problems, group))
+    con = connect(Store(store))
+    in_sql = con.execute("SELECT count(*) FROM executions WHERE step = 0").fetchone()[0]
+    con.close()
+    ok = state.is_completed() and in_sql == executions
+    detail = {
+        "executions_in_sql": in_sql,
+        "prefect_task_runs": len(tasks),
+        "step_s": round(seconds, 1),
+        "executions_per_minute": round(60 * executions / seconds, 1),
+    }
+    return counts, ok, detail
+
+
 # -- the benchmark ---------------------------------------------------------------------------------
 
 
@@ -442,6 +510,9 @@ def run(quick: bool) -> dict[str, Any]:
     rows.append(
         _row(f"S3 store stopped {size['stall_s']:.0f} s", [(counts, ok, recovery)], statuses=statuses)
     )
+    print(json.dumps(rows[-1]), flush=True)
+    counts, ok, detail = big_step(size["big_step"], root)
+    rows.append(_row(f"{size['big_step']:,} executions in one step", [(counts, ok, None)], **detail))
     print(json.dumps(rows[-1]), flush=True)
     from bench.load_gateway import gateway_load
 

@@ -13,6 +13,7 @@ gyre bench ui [--out bench/results/ui.png]  a screenshot of a campaign in the Pr
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import threading
@@ -130,6 +131,9 @@ def run_campaign_command(args: argparse.Namespace) -> int:
 
         url = _server_url(args.data_root or settings.default_data_root())
         settings.use_prefect_server(url)  # the worker process inherits it
+        from tasks.zombies import heartbeat_env
+
+        os.environ.update(heartbeat_env())  # and its flow runs beat (tasks/zombies.py)
         command = worker_command(args.pool)
         print(f"worker for pool {args.pool} on {url}", file=sys.stderr)
         os.execv(command[0], command)
@@ -185,8 +189,11 @@ def _deploy(args: argparse.Namespace) -> int:
     from deployments.deploy import register
 
     url = _server_url(args.data_root or settings.default_data_root())
+    from tasks.zombies import ensure_zombie_automation
+
     with temporary_settings({PREFECT_API_URL: url}):
         ids = register(args.file)
+        asyncio.run(ensure_zombie_automation())  # the runs of these deployments beat: find the dead ones
     for name, deployment_id in ids.items():
         print(f"deployed {name} ({deployment_id})")
     print(f"on {url}; `gyre worker` runs them")
@@ -250,7 +257,12 @@ def _run(args: argparse.Namespace) -> int:
     from tasks.campaign import committed_evaluations, committed_steps
 
     started = time.time()
-    with temporary_settings({PREFECT_API_URL: record.prefect_api_url}), Progress(config):
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+
+    from tasks.zombies import HEARTBEAT_S
+
+    beating = {PREFECT_API_URL: record.prefect_api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}
+    with temporary_settings(beating), Progress(config):  # a killed campaign is found (tasks/zombies.py)
         campaign(config)
     store = config.store.model_copy(update={"campaign": config.name})
     steps = committed_steps(store)

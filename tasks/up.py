@@ -224,6 +224,7 @@ def up(
                 gateway.model_dump_json(),
             )
         )
+        _install_zombie_detection(prefect_api_url)
     except Exception:
         _stop(services)
         raise
@@ -241,6 +242,16 @@ def up(
     )
     _write_record(data_root, record)
     return record
+
+
+def _install_zombie_detection(api_url: str) -> None:
+    """The automation that sets a silent flow run CRASHED (tasks/zombies.py), on the server used."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.zombies import install
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        install()
 
 
 def _stop(services: list[ServiceRecord]) -> list[str]:

@@ -187,3 +187,64 @@ def test_a_deployment_runs_through_a_worker_and_a_failed_step_retried_resumes(lo
     assert sorted(r["execution_id"] for r in after) == sorted(r["execution_id"] for r in before)
     assert Store(store).read_table("calls").num_rows == calls_before  # nothing ran again
     assert (data / "campaigns" / store.campaign / "steps" / "step=0.json").exists()
+
+
+VICTIM = """
+import time
+from prefect import flow
+
+@flow(name="zombie-victim")
+def victim():
+    print("running", flush=True)
+    time.sleep(600)
+
+victim()
+"""
+
+
+@pytest.mark.slow
+def test_a_flow_whose_process_is_killed_is_marked_crashed(local_server):
+    """Prefect alone leaves it RUNNING forever; gyre's automation (tasks/zombies.py, installed by
+    `gyre up` and `gyre deploy`) sets it CRASHED once its heartbeats stop, so a Retry can resume it."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.zombies import ensure_zombie_automation, heartbeat_env
+
+    url, env = local_server
+
+    async def runs() -> list:
+        async with get_client() as client:
+            return await client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=["zombie-victim"]))
+            )
+
+    with temporary_settings({PREFECT_API_URL: url}):
+        first = asyncio.run(ensure_zombie_automation(silent_s=40))
+        assert asyncio.run(ensure_zombie_automation(silent_s=40)) == first  # installed once, by name
+        victim = subprocess.Popen(
+            [sys.executable, "-c", VICTIM],
+            env={**env, "PREFECT_API_URL": url, **heartbeat_env()},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert victim.stdout.readline().strip() == "running"
+            time.sleep(5)  # the first heartbeat goes out as the run starts: let it reach the server
+            [run] = asyncio.run(runs())
+            assert run.state.type.value == "RUNNING"
+            victim.kill()
+            victim.wait()
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                [run] = asyncio.run(runs())
+                if run.state.type.value != "RUNNING":
+                    break
+                time.sleep(3)
+        finally:
+            victim.kill()
+    assert run.state.type.value == "CRASHED", run.state
+    assert "no heartbeat" in (run.state.message or "")
