@@ -16,6 +16,9 @@ Rows (what breaks, and what recovery_s measures):
 - `dispatcher SIGKILL mid-step`: the process running the step's dispatcher dies with executions
   live; the dispatcher runs again (as the Prefect task's retry does). Recovery: from the kill until
   every member has ended.
+- `gateway SIGKILL mid-step`: the gateway dies with executions live and calls not yet flushed; it
+  is started again with the same config and the dispatcher runs again. Recovery: from the restart
+  until every member has ended.
 - `rollout engine SIGKILL mid-decode`: one of the two engine processes dies with calls in flight;
   the gateway reroutes its sessions. Recovery: from the kill to the first call answered after it.
 - `harness exits at once`, `harness hangs`, `harness floods the gateway`, `workspace disk quota
@@ -60,9 +63,10 @@ from environments.dispatch import (
     step_ledger,
 )
 from environments.problems import Problem
+from environments.sandbox import release_mounts
 from tasks.rollout import choose_problems
 from tasks.services import Services  # module level: the flow's annotations resolve against it
-from tasks.stack import LocalStack, free_port, local_stack
+from tasks.stack import LocalStack, free_port, local_stack, serving_process
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 
@@ -232,6 +236,7 @@ def kill_dispatcher(stack: LocalStack, problems: list[Problem], group_size: int,
     process.wait()
     run_step(stack, problems, config)
     recovery = time.monotonic() - killed
+    release_mounts(config.workspace_root)  # the dead dispatcher's sandboxes were never released
     counts = audit(stack.store, step, (problems, group_size))
     return counts, mid_step and live_at_kill > 0 and counts["abandoned"] >= 1, recovery
 
@@ -262,6 +267,51 @@ def kill_engine(stack: LocalStack, problems: list[Problem], group_size: int, ste
     ok = all(o.status in TRAINABLE for o in outcomes) and len(outcomes) == len(problems) * group_size
     recovery = None if first_after is None else first_after - killed_wall
     return counts, ok, recovery, Counter(o.status for o in outcomes)
+
+
+def kill_gateway(
+    stack: LocalStack,
+    problems: list[Problem],
+    group_size: int,
+    step: int,
+    root: str,
+    keep: contextlib.ExitStack,
+):
+    """SIGKILLs the gateway with executions live and calls not yet flushed, starts it again with the
+    same config (by hand: nothing restarts a gateway by itself yet) and runs the dispatcher again.
+    The spool gives the new gateway every call the dead one answered; the attempts that were live
+    are abandoned and run again. Recovery: from the restart until every member has ended. ``keep``
+    holds the new gateway process until the caller is done with the stack."""
+    config = step_config(step, group_size, root, durations=DurationProfile(short_turns=6, long_fraction=0.0))
+    failed: list[BaseException] = []
+
+    def first_try() -> None:
+        try:
+            run_step(stack, problems, config)
+        except BaseException as error:  # the gateway died under it: the step fails, as a task would
+            failed.append(error)
+
+    worker = threading.Thread(target=first_try)
+    worker.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and worker.is_alive():
+        stats = _stats(stack)
+        if stats["executions"] > 0 and stats.get("calls", 0) > 0 and step_ledger(stack.store, step).ended:
+            break
+        time.sleep(0.2)
+    gateway = stack.processes[stack.gateway_url]
+    gateway.kill()
+    gateway.wait()
+    worker.join()
+    command = [sys.executable, "-m", "engines.gateway", "--config", "-"]
+    again = serving_process(command, stack.gateway_url, dict(os.environ), stdin=stack.gateway_config)
+    stack.processes[stack.gateway_url] = keep.enter_context(again)  # it serves the rows after this one
+    back = time.monotonic()
+    run_step(stack, problems, config)
+    recovery = time.monotonic() - back
+    release_mounts(config.workspace_root)  # the failed first try's sandboxes
+    counts = audit(stack.store, step, (problems, group_size))
+    return counts, bool(failed) and counts["abandoned"] >= 1, recovery
 
 
 AGENTS = {
@@ -477,7 +527,7 @@ def run(quick: bool) -> dict[str, Any]:
     rows = []
     started = time.monotonic()
     step = 0
-    with local_stack(POLICY, store, engines=2) as stack:
+    with local_stack(POLICY, store, engines=2) as stack, contextlib.ExitStack() as keep:
         for agent, name in (
             ("exit", "harness exits at once"),
             ("hang", "harness hangs"),
@@ -499,6 +549,12 @@ def run(quick: bool) -> dict[str, Any]:
             results.append(kill_dispatcher(stack, problems, size["group_size"], step, root))
             step += 1
         rows.append(_row("dispatcher SIGKILL mid-step", results))
+        print(json.dumps(rows[-1]), flush=True)
+        results = []
+        for _ in range(size["runs"]):
+            results.append(kill_gateway(stack, problems, size["group_size"], step, root, keep))
+            step += 1
+        rows.append(_row("gateway SIGKILL mid-step", results))
         print(json.dumps(rows[-1]), flush=True)
         # last: it leaves one engine
         counts, ok, recovery, statuses = kill_engine(stack, problems, size["group_size"], step, root)

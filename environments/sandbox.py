@@ -998,3 +998,14 @@ if __name__ == "__main__":
     except BaseException as exc:  # the command never started: say why, distinctly
         os.write(2, f"{SETUP_FAILED} {exc}\n".encode())
         os._exit(SETUP_EXIT)
+
+
+def release_mounts(root: str | Path) -> int:
+    """Unmounts every quota tmpfs under ``root`` (the sandboxes of a dispatcher that was killed and
+    never released them); returns how many. Only for a root no live dispatcher uses."""
+    prefix = str(Path(root).resolve()) + os.sep
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts if line.split()[1].startswith(prefix)]
+    for point in sorted(points, reverse=True):
+        _Libc().check(_Libc().lib.umount2(point.encode(), 2), f"umount {point}")
+    return len(points)

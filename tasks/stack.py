@@ -36,6 +36,8 @@ class LocalStack:
     store: StoreConfig
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     """The server processes by URL (the engines' and the gateway's): fault tests kill them."""
+    gateway_config: str = ""
+    """The gateway's config as JSON (what its stdin got): a fault test starts it again with it."""
 
 
 @contextlib.contextmanager
@@ -81,7 +83,15 @@ def local_stack(
         processes[gateway.base_url()] = stack.enter_context(
             serving_process(command, gateway.base_url(), env, stdin=gateway.model_dump_json())
         )
-        yield LocalStack(gateway.base_url(), admin_token, engine_urls, engine_token, store, processes)
+        yield LocalStack(
+            gateway.base_url(),
+            admin_token,
+            engine_urls,
+            engine_token,
+            store,
+            processes,
+            gateway.model_dump_json(),
+        )
 
 
 @contextlib.contextmanager

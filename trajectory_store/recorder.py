@@ -11,11 +11,19 @@ longest prefix with it (see prefix.py). A record that fails validation is quaran
 reason, the error is raised to the caller, and everything valid is still written. A guard (the
 JSONL import passes one: interchange.StoredExecutions) can refuse a valid record the same way, e.g.
 one that would change what the store already holds.
+
+With ``spool`` (a local file), every buffered row is also appended to that file as a JSON line
+before it can be lost: a process killed between two flushes (SIGKILL included: the lines are in
+the OS's page cache) leaves its unflushed rows there, and a Recorder opened on the same spool
+later writes them at its first flush. A flush empties the spool once its manifest is committed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +43,8 @@ from trajectory_store.schema import (
     validate_execution,
 )
 from trajectory_store.storage import Store, ids_key
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,7 @@ class Recorder:
         flush_calls: int = 2048,
         flush_tokens: int = 8_000_000,
         guard: RecordGuard | None = None,
+        spool: str | None = None,
     ):
         self.store = store
         self.step = step
@@ -96,6 +107,16 @@ class Recorder:
         self._execution_rows: dict[str, dict[str, Any]] = {}
         self._quarantine: list[dict[str, Any]] = []
         self.totals = FlushReport()
+        self._replayed_executions: dict[str, dict[str, Any]] = {}  # rows from a spool, final already
+        self.replayed = 0  # rows read back from the spool
+        self._spool = None
+        if spool is not None:
+            os.makedirs(os.path.dirname(spool) or ".", exist_ok=True)
+            if os.path.exists(spool):
+                self._replay(spool)
+            self._spool = open(spool, "a", encoding="utf-8")  # noqa: SIM115  (open for the recorder's life)
+            if self._spool.tell() > 0:
+                self._spool.write("\n")  # a torn last line stays a line of its own
 
     # -- calls ---------------------------------------------------------------------------------
     def record_call(
@@ -198,6 +219,7 @@ class Recorder:
             }
         )
         self._buffered_tokens += len(new_ids) + len(call.output_ids)
+        self._spooled("call", self._call_rows[-1])
         if len(self._call_rows) >= self.flush_calls or self._buffered_tokens >= self.flush_tokens:
             self.flush()
         return RecordedCall(
@@ -225,6 +247,9 @@ class Recorder:
             return
         with self._lock:
             self._execution_rows[record.execution_id] = record
+            self._replayed_executions.pop(record.execution_id, None)
+            if self._spool is not None:
+                self._spooled("execution", self._execution_row(record))
 
     # -- quarantine and flushing ---------------------------------------------------------------
     def reject(self, error: RecordError, raw: Any, source: dict[str, Any] | None = None) -> None:
@@ -246,8 +271,10 @@ class Recorder:
                 key = ids_key([(r["execution_id"], r["call_id"]) for r in self._call_rows])
                 parts["calls"] = [self.store.write_part("calls", self.step, table, key)]
                 rows["calls"] = report.calls = len(self._call_rows)
-            if self._execution_rows:
-                ordered = [self._execution_row(self._execution_rows[k]) for k in sorted(self._execution_rows)]
+            if self._execution_rows or self._replayed_executions:
+                rows_by_id = {**self._replayed_executions}
+                rows_by_id.update({k: self._execution_row(r) for k, r in self._execution_rows.items()})
+                ordered = [rows_by_id[k] for k in sorted(rows_by_id)]
                 table = pa.Table.from_pylist(ordered, schema=EXECUTIONS_SCHEMA)
                 # the key covers every field: a re-recorded row (a later status, a new reward) is a
                 # new part beside the old one, never an overwrite of it (the view keeps the latest)
@@ -263,7 +290,10 @@ class Recorder:
             self._call_rows = []
             self._buffered_tokens = 0
             self._execution_rows = {}
+            self._replayed_executions = {}
             self._quarantine = []
+            if self._spool is not None:  # everything in it is committed now
+                self._spool.truncate(0)
             self.totals.calls += report.calls
             self.totals.executions += report.executions
             self.totals.parts += report.parts
@@ -276,6 +306,40 @@ class Recorder:
             n_calls = len(state.hashes)
         return _execution_row(record, self.step, n_calls)
 
+    # -- the spool -----------------------------------------------------------------------------
+    def _spooled(self, kind: str, row: dict[str, Any]) -> None:
+        if self._spool is not None:
+            self._spool.write(json.dumps({"kind": kind, "row": _jsonable(row)}) + "\n")
+            self._spool.flush()  # to the OS: survives the process being killed
+
+    def _replay(self, path: str) -> None:
+        """Buffers the rows a killed predecessor left in the spool (a torn last line is dropped)."""
+        with open(path, encoding="utf-8") as spool:
+            lines = spool.read().splitlines()
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                logger.warning("%s line %d is torn (the writer died mid-line): dropped", path, number)
+                continue
+            row = entry["row"]
+            if entry["kind"] == "call":
+                self._call_rows.append(row)
+                self._buffered_tokens += len(row["new_ids"]) + row["output_len"]
+                state = self._executions.setdefault(row["execution_id"], _ExecutionState())
+                # later calls of that execution must not reuse these ids (they would be refused)
+                state.next_call_id = max(state.next_call_id, row["call_id"] + 1)
+                state.hashes[row["call_id"]] = row["context_hash"]  # counted in the execution's n_calls
+            else:
+                self._replayed_executions[row["execution_id"]] = row
+            self.replayed += 1
+        if self.replayed:
+            logger.warning(
+                "%s: %d rows left by a recorder that died, written at the next flush", path, self.replayed
+            )
+
     def forget(self, execution_id: str) -> None:
         """Releases an execution's prefix index (after its last call)."""
         with self._lock:
@@ -285,6 +349,9 @@ class Recorder:
         report = self.flush()
         with self._lock:
             self._executions.clear()
+            if self._spool is not None:
+                self._spool.close()
+                self._spool = None
         return report
 
 

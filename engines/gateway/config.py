@@ -6,6 +6,9 @@ GatewayConfig   where it listens, who may administer it, which engines stand beh
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 from pydantic import BaseModel, Field
 
 from trajectory_store.storage import StoreConfig
@@ -106,6 +109,13 @@ class GatewayConfig(BaseModel):
         gt=0,
         description="the recorders flush this often (and on every finished execution and /admin/flush)",
     )
+    spool_dir: str | None = Field(
+        None,
+        description="local folder where every unflushed row is also kept, so a gateway killed between "
+        "flushes loses no call: the next one started with the same folder writes them (default: "
+        "<data_root>/spool/gateway-<port> for a local data root, ~/.cache/gyre/spool/<data root hash>-<port> "
+        "for S3; an empty string turns it off)",
+    )
     engine_connect_timeout_s: float = Field(5.0, gt=0, description="connecting to an engine")
     engine_timeout_s: float | None = Field(
         None,
@@ -138,3 +148,13 @@ class GatewayConfig(BaseModel):
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    def spool_folder(self) -> str | None:
+        """Where the recorders spool (spool_dir, or its default); None when turned off."""
+        if self.spool_dir is not None:
+            return self.spool_dir or None
+        root = self.store.data_root
+        if "://" not in root:
+            return os.path.join(root, "spool", f"gateway-{self.port}")
+        digest = hashlib.sha256(root.encode()).hexdigest()[:16]
+        return os.path.join(os.path.expanduser("~/.cache/gyre/spool"), f"{digest}-{self.port}")

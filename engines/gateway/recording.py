@@ -1,7 +1,7 @@
 """Recording: every call and execution the gateway answers, written through trajectory_store's Recorder.
 
     recording = CallRecording(store, flush_interval_s=30.0)
-    recording.start()                                        # the periodic flush (in a running loop)
+    await recording.start()                                  # the spool's leftovers, then the periodic flush
     recording.record_call_soon(target, execution_id, agent_id, role, prompt_ids, output_ids, logprobs,
                                policy_version, call_id=..., engine_id=..., finish_reason=..., ...)
     await recording.record_execution(target, execution_id, status, reward=..., ...)  # RecordError if refused
@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,31 +48,63 @@ class CallRecording:
     """Attributes: store (the gateway's campaign), recorders ((campaign, step) -> Recorder), errors
     (calls the recorder refused)."""
 
-    def __init__(self, store: Store, flush_interval_s: float):
+    def __init__(self, store: Store, flush_interval_s: float, spool_dir: str | None = None):
         self.store = store
         self.flush_interval_s = flush_interval_s
+        self.spool_dir = spool_dir
         self.recorders: dict[Target, Recorder] = {}
         self._stores: dict[str, Store] = {}
         self.errors = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-recorder")
         self._flush_task: asyncio.Task | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Writes what a killed predecessor left in the spool (before anything is served), then
+        flushes every interval."""
+        if sum(self.recorder(target).replayed for target in self._spooled_targets()):
+            try:
+                await self.flush()
+            except Exception:  # the store is down: it stays buffered (and spooled) for the next flush
+                logger.exception("writing the rows a killed gateway left in the spool failed")
         self._flush_task = asyncio.create_task(self._flush_periodically())
+
+    def _spool(self, target: Target) -> str | None:
+        """The spool file of a recorder: <spool_dir>/step<step>--<campaign>.jsonl."""
+        if self.spool_dir is None:
+            return None
+        campaign, step = target
+        return os.path.join(self.spool_dir, f"step{step}--{campaign or self.store.config.campaign}.jsonl")
+
+    def _spooled_targets(self) -> list[Target]:
+        if self.spool_dir is None or not os.path.isdir(self.spool_dir):
+            return []
+        targets = []
+        for name in sorted(os.listdir(self.spool_dir)):
+            head, _, campaign = name.removesuffix(".jsonl").partition("--")
+            if name.endswith(".jsonl") and head.startswith("step") and head[4:].isdigit() and campaign:
+                targets.append(self._key((campaign, int(head[4:]))))
+        return targets
+
+    def _key(self, target: Target) -> Target:
+        """The gateway's own campaign is keyed as None, whichever way a caller names it."""
+        campaign, step = target
+        return (None if campaign == self.store.config.campaign else campaign, step)
 
     async def close(self) -> None:
         if self._flush_task is not None:
             self._flush_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flush_task
-        await self.flush()
+        await self.run(lambda: [r.close() for r in list(self.recorders.values())])
         self._thread.shutdown(wait=True)
 
     def recorder(self, target: Target) -> Recorder:
+        target = self._key(target)
         recorder = self.recorders.get(target)
         if recorder is None:
             campaign, step = target
-            recorder = self.recorders[target] = Recorder(self._store(campaign), step)
+            recorder = Recorder(self._store(campaign), step, spool=self._spool(target))
+            self.recorders[target] = recorder
         return recorder
 
     def _store(self, campaign: str | None) -> Store:

@@ -107,7 +107,7 @@ class Gateway:
         self.store = store or Store(config.store)
         self.registry = Registry()
         self.router = Router()
-        self.recording = CallRecording(self.store, config.flush_interval_s)
+        self.recording = CallRecording(self.store, config.flush_interval_s, config.spool_folder())
         self.stats = GatewayStats()
         self.overhead_ms: deque[float] = deque(maxlen=config.overhead_samples)
         self._tokenizing = ThreadPoolExecutor(
@@ -122,7 +122,7 @@ class Gateway:
     async def start(self) -> None:
         for spec in self.config.engines:
             await self.add_engine(AddEngine(**spec.model_dump()))
-        self.recording.start()
+        await self.recording.start()
 
     async def close(self) -> None:
         await self.recording.close()
