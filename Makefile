@@ -38,7 +38,7 @@ browser:
 	  echo "LOUD: chromium could not be installed; tests/test_ui.py will say it skipped"
 
 test: lint browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: install
 	$(BIN)/gyre bench store
