@@ -172,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     faults = bench_commands.add_parser(
         "faults", help="faults and load on real processes: lost and duplicated work, recovery seconds"
     )
-    faults.add_argument("--quick", action="store_true", help="one run of each fault, 64 sessions of load")
+    faults.add_argument(
+        "--quick",
+        action="store_true",
+        help="one run of each fault, a 200-execution step, 64 sessions of load for 20 s",
+    )
     faults.add_argument("--out", default="bench/results/faults.json", help="where the figures go (JSON)")
     schedule.add_sim_parser(commands)
     _show_defaults(parser)
