@@ -64,7 +64,7 @@ import httpx
 
 from environments.harness import HarnessConfig
 from environments.problems import GraderError, GradeResult, Problem, grade_workspace
-from environments.sandbox import Sandbox
+from environments.sandbox import Sandbox, release_mounts
 from environments.snapshot import UnsafeArchive
 from environments.snapshot_rows import sandbox_from_stored, store_workspace
 from trajectory_store.schema import RewardSource, Status
@@ -354,7 +354,12 @@ async def dispatch(
     the GatewayAdminError is raised. ``ledger``: what the store holds of the step (read when None),
     which picks each member's attempt id."""
     config = config or DispatchConfig()
-    root = config.workspace_root or tempfile.mkdtemp(prefix="gyre-workspaces-")
+    if config.workspace_root:
+        root = config.workspace_root
+    else:
+        sweep_dead_dispatchers()
+        root = tempfile.mkdtemp(prefix="gyre-workspaces-")
+        _own(root)
     Path(root).mkdir(parents=True, exist_ok=True)
     semaphore = asyncio.Semaphore(config.concurrency)
     runner = _Runner(Store(store), config, root, ledger or step_ledger(store, config.step))
@@ -391,6 +396,37 @@ async def dispatch(
             shutil.rmtree(root, ignore_errors=True)
 
 
+OWNER_FILE = ".gyre-dispatcher"
+"""In a dispatcher's temporary folders: its pid, so a later dispatcher can tell they were left."""
+
+
+def _own(folder: str | Path) -> None:
+    Path(folder, OWNER_FILE).write_text(str(os.getpid()))
+
+
+def sweep_dead_dispatchers(parent: str | Path | None = None) -> int:
+    """Releases the quota mounts of, and removes, the temporary workspace and harness folders of
+    dispatchers whose process is gone (SIGKILLed: their cleanup never ran; a tmpfs holds its files
+    in memory); returns how many folders. Folders of live dispatchers, or with no owner, are kept."""
+    parent = Path(parent or tempfile.gettempdir())
+    swept = 0
+    for folder in sorted([*parent.glob("gyre-workspaces-*"), *parent.glob("gyre-harness-*")]):
+        try:
+            pid = int((folder / OWNER_FILE).read_text())
+            os.kill(pid, 0)
+            continue  # alive (or reused by another process: kept, the safe side)
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            continue
+        release_mounts(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        swept += 1
+    if swept:
+        log.warning("released and removed %d folders of dispatchers that died", swept)
+    return swept
+
+
 async def dispatch_missing(
     problems: list[Problem],
     gateway_url: str,
@@ -422,6 +458,7 @@ class _Runner:
         self.harness_name = config.harness_name or harness_name(config.harness_command)
         # harness inputs and outputs live apart from the workspaces, where no command can see them
         self.side_root = Path(tempfile.mkdtemp(prefix="gyre-harness-"))
+        _own(self.side_root)
 
     async def run(self, admin: GatewayAdmin, problem: Problem, member: int) -> ExecutionOutcome:
         config = self.config

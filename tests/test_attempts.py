@@ -141,3 +141,30 @@ def test_two_live_dispatchers_never_both_finish_one_member(tmp_path):
     assert [(r["execution_id"], r["status"], r["reward"]) for r in rows] == [
         ("s0-good-g0", "abandoned", None)
     ]
+
+
+def test_a_dead_dispatchers_folders_and_quota_mounts_are_swept(tmp_path):
+    """A SIGKILLed dispatcher never releases its sandboxes' tmpfs mounts (they hold their files in
+    memory) nor removes its temporary folders: the next dispatcher does, and only for dead owners."""
+    import os
+    import subprocess
+
+    from environments.dispatch import OWNER_FILE, sweep_dead_dispatchers
+    from environments.sandbox import Sandbox, SandboxLimits, probe_isolation
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is free now: the owner is gone
+    left = tmp_path / "gyre-workspaces-left"
+    left.mkdir()
+    (left / OWNER_FILE).write_text(str(dead.pid))
+    sandbox = Sandbox.create(left, "ab12", {"a.txt": "x\n"}, SandboxLimits(disk_bytes=1 << 20, disk_files=64))
+    assert sandbox.disk_quota_enforced or not probe_isolation().filesystem  # a real tmpfs where mounts work
+    live = tmp_path / "gyre-harness-live"
+    live.mkdir()
+    (live / OWNER_FILE).write_text(str(os.getpid()))
+    unowned = tmp_path / "gyre-workspaces-unowned"
+    unowned.mkdir()
+    assert sweep_dead_dispatchers(tmp_path) == 1
+    assert not left.exists() and live.exists() and unowned.exists()
+    with open("/proc/self/mounts") as mounts:
+        assert str(sandbox.workspace) not in mounts.read()
