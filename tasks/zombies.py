@@ -4,7 +4,7 @@ RUNNING forever, since open-source Prefect has no zombie detection of its own (P
 gyrerl's flow processes beat (PREFECT_FLOWS_HEARTBEAT_FREQUENCY = HEARTBEAT_S, set by `gyre run`,
 `gyre campaign` and the deployments' workers), and `gyre up` installs one automation on the server
 it starts (or the one PREFECT_API_URL names): a flow run that has beaten once and then says nothing
-for SILENT_S seconds, without reaching a final state, is set CRASHED. A crashed campaign is then one
+for SILENT_S seconds (10 minutes), without reaching a final state, is set CRASHED. A crashed campaign is then one
 Retry in the UI (or the same `gyre run --name`) away from resuming after its last committed step.
 """
 
@@ -15,8 +15,10 @@ from datetime import timedelta
 
 HEARTBEAT_S = 30
 """Seconds between a flow run's heartbeats (Prefect's minimum)."""
-SILENT_S = 90
-"""Seconds without a heartbeat after which a running flow run is a zombie (three beats missed)."""
+SILENT_S = 600
+"""Seconds without a heartbeat after which a running flow run is a zombie. Any flow run on the
+server may beat at Prefect's default of every 180 s (a script of the user's, not started by gyre),
+so this must stay well above that: 600 s is three default beats missed (twenty of gyre's)."""
 AUTOMATION_NAME = "gyre: crash flow runs whose process died"
 
 

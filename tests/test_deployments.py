@@ -207,6 +207,7 @@ def test_a_flow_whose_process_is_killed_is_marked_crashed(local_server):
     """Prefect alone leaves it RUNNING forever; gyre's automation (tasks/zombies.py, installed by
     `gyre up` and `gyre deploy`) sets it CRASHED once its heartbeats stop, so a Retry can resume it."""
     import asyncio
+    from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
@@ -221,6 +222,10 @@ def test_a_flow_whose_process_is_killed_is_marked_crashed(local_server):
             return await client.read_flow_runs(
                 flow_filter=FlowFilter(name=FlowFilterName(any_=["zombie-victim"]))
             )
+
+    async def remove(automation_id: str) -> None:  # 40 s is for this test only: other flows on
+        async with get_client() as client:  # this server beat every 180 s by default
+            await client.delete_automation(UUID(automation_id))
 
     with temporary_settings({PREFECT_API_URL: url}):
         first = asyncio.run(ensure_zombie_automation(silent_s=40))
@@ -246,5 +251,6 @@ def test_a_flow_whose_process_is_killed_is_marked_crashed(local_server):
                 time.sleep(3)
         finally:
             victim.kill()
+            asyncio.run(remove(first))
     assert run.state.type.value == "CRASHED", run.state
     assert "no heartbeat" in (run.state.message or "")
