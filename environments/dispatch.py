@@ -177,13 +177,14 @@ class GatewayAdminError(RuntimeError):
     code (409 execution_finished: the id is finished there and cannot be registered again; 409
     execution_superseded: it belonged to an abandoned attempt)."""
 
-    def __init__(self, path: str, status: int, text: str):
+    def __init__(self, path: str, status: int, text: str, code: str | None = None):
         super().__init__(f"gateway {path} answered {status}: {text[:500]}")
-        self.path, self.status = path, status
-        try:
-            self.code = (json.loads(text).get("error") or {}).get("code")
-        except (ValueError, AttributeError):
-            self.code = None
+        self.path, self.status, self.code = path, status, code
+        if code is None:  # the gateway's OpenAI-style body names it
+            try:
+                self.code = (json.loads(text).get("error") or {}).get("code")
+            except (ValueError, AttributeError):
+                self.code = None
 
 
 class GatewayAdmin:
@@ -493,9 +494,7 @@ class _Runner:
         config = self.config
         if (ended := self.ledger.outcome(problem, member, config.run_id)) is not None:
             message = f"execution {ended.execution_id} already finished ({ended.status} in the store); register a new id"
-            refused = GatewayAdminError("/admin/executions", 409, message)
-            refused.code = "execution_finished"
-            raise refused
+            raise GatewayAdminError("/admin/executions", 409, message, code="execution_finished")
         first = self.ledger.next_attempt(problem, member, config.run_id)
         for attempt in range(first):
             earlier = execution_id_for(config.step, problem, member, config.run_id, attempt)
