@@ -10,6 +10,8 @@ For every (problem, group member) the dispatcher
 3. starts the harness as a subprocess in its own process group: the built-in one
    (``python -m environments.harness``) or any external command given as a template (``{base_url}``,
    ``{api_key}``, ``{workspace}``, ``{instruction_file}``; OPENAI_BASE_URL / OPENAI_API_KEY are set too);
+   its group is recorded next to the harness folder's owner file, so when a dispatcher is SIGKILLed
+   the next one kills its harnesses (sweep_dead_dispatchers);
 4. at the deadline kills the whole group; the execution is ``timeout``, its workspace is snapshotted
    into the store as Parquet rows (``snapshots/`` + content-addressed ``blobs/``, next to the
    problem's starting workspace; environments/snapshot_rows.py) and graded from what was stored,
@@ -399,18 +401,73 @@ async def dispatch(
 
 OWNER_FILE = ".gyre-dispatcher"
 """In a dispatcher's temporary folders: its pid, so a later dispatcher can tell they were left."""
+HARNESS_FILE = ".gyre-harnesses"
+"""Next to the owner file of a dispatcher's harness folder: one line ``<pgid> <start time>`` per
+harness still running, so a later dispatcher can kill the harnesses of one that was SIGKILLed."""
 
 
 def _own(folder: str | Path) -> None:
     Path(folder, OWNER_FILE).write_text(str(os.getpid()))
 
 
+def _start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot): with the pid, it names one process for
+    good, so a pid reused by another process is told apart. None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])  # after the command name, which may hold spaces
+
+
+def _record_harness(folder: str | Path, pgid: int) -> None:
+    """Adds a harness (the leader of its own process group) to ``folder``'s HARNESS_FILE."""
+    started = _start_time(pgid)
+    if started is not None:  # always, on Linux: a harness that already exited is a zombie until waited
+        with open(Path(folder, HARNESS_FILE), "a") as records:
+            records.write(f"{pgid} {started}\n")
+
+
+def _forget_harness(folder: str | Path, pgid: int) -> None:
+    """Drops an ended (and waited) harness from HARNESS_FILE: its pid may be reused from now on.
+    Written aside then renamed, so a dispatcher killed meanwhile leaves the whole list."""
+    path = Path(folder, HARNESS_FILE)
+    with contextlib.suppress(OSError):
+        kept = [line for line in path.read_text().splitlines() if line.split()[:1] != [str(pgid)]]
+        Path(f"{path}.new").write_text("".join(f"{line}\n" for line in kept))
+        os.replace(f"{path}.new", path)
+
+
+def _kill_harnesses(folder: Path) -> int:
+    """SIGKILLs the process groups a dead dispatcher recorded in ``folder``'s HARNESS_FILE; returns
+    how many. A group is killed when its leader is the recorded process (same start time) or is gone:
+    a pid is never reused while a group of that id has members, so they are the harness's own. A
+    leader with another start time is a reused pid: left alone."""
+    try:
+        lines = (folder / HARNESS_FILE).read_text().splitlines()
+    except OSError:
+        return 0
+    killed = 0
+    for line in lines:
+        try:
+            pgid, started = (int(part) for part in line.split())
+        except ValueError:
+            continue
+        if _start_time(pgid) not in (None, started):
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+            killed += 1
+    return killed
+
+
 def sweep_dead_dispatchers(parent: str | Path | None = None) -> int:
-    """Releases the quota mounts of, and removes, the temporary workspace and harness folders of
-    dispatchers whose process is gone (SIGKILLed: their cleanup never ran; a tmpfs holds its files
-    in memory); returns how many folders. Folders of live dispatchers, or with no owner, are kept."""
+    """Kills the harnesses of, releases the quota mounts of, and removes the temporary workspace
+    and harness folders of dispatchers whose process is gone (SIGKILLed: their cleanup never ran; a
+    hanging harness would hold its CPU and sandbox for good; a tmpfs holds its files in memory);
+    returns how many folders. Folders of live dispatchers, or with no owner, are kept untouched."""
     parent = Path(parent or tempfile.gettempdir())
-    swept = 0
+    swept = killed = 0
     for folder in sorted([*parent.glob("gyre-workspaces-*"), *parent.glob("gyre-harness-*")]):
         try:
             pid = int((folder / OWNER_FILE).read_text())
@@ -420,11 +477,14 @@ def sweep_dead_dispatchers(parent: str | Path | None = None) -> int:
             pass
         except (OSError, ValueError):
             continue
+        killed += _kill_harnesses(folder)
         release_mounts(folder)
         shutil.rmtree(folder, ignore_errors=True)
         swept += 1
     if swept:
-        log.warning("released and removed %d folders of dispatchers that died", swept)
+        log.warning(
+            "killed %d harnesses, released and removed %d folders of dispatchers that died", killed, swept
+        )
     return swept
 
 
@@ -570,6 +630,7 @@ class _Runner:
             process = await asyncio.create_subprocess_exec(
                 *argv, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
             )
+            _record_harness(self.side_root, process.pid)  # its own group: pgid == pid
             try:
                 returncode = await asyncio.wait_for(process.wait(), config.timeout_s)
                 timed_out = False
@@ -577,6 +638,7 @@ class _Runner:
                 _kill_group(process.pid)
                 await process.wait()
                 returncode, timed_out = None, True
+            _forget_harness(self.side_root, process.pid)
         _read_progress(result_path, outcome)
         if timed_out:
             outcome.status = "timeout"

@@ -5,18 +5,30 @@ reward is ever joined to another attempt's calls (a real gateway, a scripted eng
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from environments.dispatch import (
+    HARNESS_FILE,
+    OWNER_FILE,
     DispatchConfig,
     DurationProfile,
     GatewayAdmin,
     GatewayAdminError,
+    _forget_harness,
+    _record_harness,
+    _start_time,
     dispatch,
     step_ledger,
+    sweep_dead_dispatchers,
 )
 from tests.scripted_engine import scripted_stack, tool_call
 from tests.test_gateway_fixtures import ADMIN_TOKEN
@@ -146,10 +158,6 @@ def test_two_live_dispatchers_never_both_finish_one_member(tmp_path):
 def test_a_dead_dispatchers_folders_and_quota_mounts_are_swept(tmp_path):
     """A SIGKILLed dispatcher never releases its sandboxes' tmpfs mounts (they hold their files in
     memory) nor removes its temporary folders: the next dispatcher does, and only for dead owners."""
-    import os
-    import subprocess
-
-    from environments.dispatch import OWNER_FILE, sweep_dead_dispatchers
     from environments.sandbox import Sandbox, SandboxLimits, probe_isolation
 
     dead = subprocess.Popen(["true"])
@@ -168,3 +176,82 @@ def test_a_dead_dispatchers_folders_and_quota_mounts_are_swept(tmp_path):
     assert not left.exists() and live.exists() and unowned.exists()
     with open("/proc/self/mounts") as mounts:
         assert str(sandbox.workspace) not in mounts.read()
+
+
+def hanging_harness() -> tuple[subprocess.Popen, int]:
+    """A harness that hangs, in its own process group as the dispatcher starts one, with a child in
+    that group (what a harness starts that is not sandboxed); returns it and the child's pid."""
+    harness = subprocess.Popen(
+        ["bash", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True
+    )
+    return harness, int(harness.stdout.readline())
+
+
+def ended(pid: int, wait_s: float = 10.0) -> bool:
+    """Gone, or a zombie (killed; reparented, it waits for whoever reaps orphans here)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def dead_pid() -> int:
+    dead = subprocess.Popen(["sleep", "0"])
+    dead.wait()  # its pid is free now: the owner is gone
+    return dead.pid
+
+
+def test_a_sigkilled_dispatchers_hanging_harnesses_are_killed_by_the_sweep(tmp_path):
+    """A SIGKILLed dispatcher's harnesses run on (they have their own process groups): the next
+    dispatcher's sweep kills each recorded group, also one whose leader already died, but never a
+    process that took over a recorded pid."""
+    left = tmp_path / "gyre-harness-x"
+    left.mkdir()
+    (left / OWNER_FILE).write_text(str(dead_pid()))
+    harness, child = hanging_harness()
+    _record_harness(left, harness.pid)
+    leaderless, its_child = hanging_harness()
+    _record_harness(left, leaderless.pid)
+    os.kill(leaderless.pid, signal.SIGKILL)  # the leader is gone, its child still runs in its group
+    leaderless.wait()
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    with open(left / HARNESS_FILE, "a") as records:  # as if a recorded harness's pid were reused
+        records.write(f"{stranger.pid} {_start_time(stranger.pid) - 1}\n")
+    try:
+        assert sweep_dead_dispatchers(tmp_path) == 1
+        assert harness.wait(timeout=10) == -signal.SIGKILL
+        assert ended(child) and ended(its_child)
+        assert stranger.poll() is None
+        assert not left.exists()
+    finally:
+        for process in (harness, leaderless, stranger):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            if process.stdout:
+                process.stdout.close()
+
+
+def test_a_live_dispatchers_harnesses_are_never_killed(tmp_path):
+    live = tmp_path / "gyre-harness-live"
+    live.mkdir()
+    (live / OWNER_FILE).write_text(str(os.getpid()))
+    harness, child = hanging_harness()
+    _record_harness(live, harness.pid)
+    try:
+        assert sweep_dead_dispatchers(tmp_path) == 0
+        time.sleep(0.2)
+        assert harness.poll() is None and not ended(child, wait_s=0) and live.exists()
+        _forget_harness(live, harness.pid)  # what the dispatcher does once it has waited for one
+        assert (live / HARNESS_FILE).read_text() == ""
+    finally:
+        os.killpg(harness.pid, signal.SIGKILL)
+        harness.wait()
+        harness.stdout.close()
