@@ -359,6 +359,25 @@ def test_admin_stats_and_execution_registration_is_retry_safe(stack):
     assert httpx.get(f"{stack.url}/admin/stats", headers=ADMIN).status_code == 200
 
 
+def test_a_finished_id_is_finished_within_its_campaign(stack):
+    """Campaigns run one after another on one stack reuse their steps' ids; one id live in two
+    campaigns at once is refused (its calls are addressed by id)."""
+    register = {"execution_id": "s0-p-g0", "campaign": "first"}
+    assert stack.admin("POST", "/admin/executions", json=register).status_code == 200
+    live = stack.admin("POST", "/admin/executions", json={**register, "campaign": "second"})
+    assert live.status_code == 409 and live.json()["error"]["code"] == "execution_id_taken"
+    assert "first" in live.json()["error"]["message"]
+    done = stack.admin(
+        "POST", "/admin/executions/s0-p-g0/finish", json={"status": "completed", "reward": 0.0}
+    )
+    assert done.status_code == 200
+    again = stack.admin("POST", "/admin/executions", json=register)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "execution_finished"
+    second = stack.admin("POST", "/admin/executions", json={**register, "campaign": "second"})
+    assert second.status_code == 200 and second.json()["campaign"] == "second"
+    stack.admin("POST", "/admin/executions/s0-p-g0/finish", json={"status": "completed", "reward": 0.0})
+
+
 def test_the_recorded_policy_version_is_the_engines_after_a_weight_swap(stack):
     engines = list(stack.engines.values())
     try:

@@ -49,28 +49,41 @@ class Execution:
 
 
 class Registry:
-    """Live executions by id and by key, and the ids of finished ones (so their calls get a clear 404)."""
+    """Live executions by id and by key, and the ids of finished ones (so their calls get a clear 404).
+
+    A finished id is finished within its campaign: campaigns run one after another on one `gyre up`
+    stack reuse the ids of their steps (s<step>-<problem>-g<member>), and a later campaign registers
+    them afresh. A live id belongs to one campaign at a time (its calls are addressed by id)."""
 
     def __init__(self) -> None:
         self.executions: dict[str, Execution] = {}
         self._by_key: dict[str, Execution] = {}
-        self.finished: dict[str, Status] = {}  # execution id -> status
+        self.finished: dict[tuple[str | None, str], Status] = {}  # (campaign, execution id) -> status
+        self._last_status: dict[str, Status] = {}  # execution id -> status, for the 404's message
 
     def register(self, body: RegisterExecution, default_step: int) -> tuple[Execution, bool]:
         """(execution, created). Registering a live id again returns it unchanged (retry-safe)."""
-        if self.finished.get(body.execution_id) == "abandoned":
+        key = (body.campaign, body.execution_id)
+        if self.finished.get(key) == "abandoned":
             raise GatewayError(
                 409,
                 f"execution {body.execution_id} was abandoned (its dispatcher died); register the next attempt",
                 code="execution_superseded",
             )
-        if body.execution_id in self.finished:
+        if key in self.finished:
             raise GatewayError(
                 409,
                 f"execution {body.execution_id} already finished; register a new id",
                 code="execution_finished",
             )
         existing = self.executions.get(body.execution_id)
+        if existing is not None and existing.campaign != body.campaign:
+            raise GatewayError(
+                409,
+                f"execution id {body.execution_id} is live in campaign {existing.campaign!r}: campaigns "
+                "running at once on one gateway need ids of their own",
+                code="execution_id_taken",
+            )
         if existing is not None:
             return existing, False
         execution = Execution(
@@ -91,8 +104,8 @@ class Registry:
         execution = self.executions.get(execution_id)
         if execution is not None:
             return execution
-        if execution_id in self.finished:
-            message = f"execution {execution_id} has finished ({self.finished[execution_id]}); it takes no more calls"
+        if execution_id in self._last_status:
+            message = f"execution {execution_id} has finished ({self._last_status[execution_id]}); it takes no more calls"
         else:
             message = f"unknown execution {execution_id!r}: register it with POST /admin/executions"
         raise GatewayError(404, message, code="execution_not_found")
@@ -122,5 +135,6 @@ class Registry:
         execution = self.get(execution_id)
         del self.executions[execution_id]
         self._by_key.pop(execution.api_key, None)
-        self.finished[execution_id] = status
+        self.finished[(execution.campaign, execution_id)] = status
+        self._last_status[execution_id] = status
         return execution

@@ -162,7 +162,12 @@ class Gateway:
 
     async def register_execution(self, body: RegisterExecution) -> dict[str, Any]:
         live = self.registry.executions.get(body.execution_id)
-        if live is not None and body.attempt is not None and live.attempt != body.attempt:
+        if (
+            live is not None
+            and live.campaign == body.campaign
+            and body.attempt is not None
+            and live.attempt != body.attempt
+        ):
             # Another dispatcher's attempt, never finished: its calls are recorded under an abandoned
             # execution, so no reward of the new attempt is ever joined to them.
             await self.finish_execution(body.execution_id, FinishExecution(status="abandoned"))
