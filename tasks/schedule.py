@@ -51,7 +51,7 @@ from tasks.services import Services, policy_path, serve_version
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.processor import pack
-from trajectory_store.step import left_out
+from trajectory_store.step import left_out, step_figures
 from trajectory_store.storage import Store, StoreConfig
 
 
@@ -109,7 +109,15 @@ class CoreStep:
         self._producer: StreamProducer | None = None
         self._lock = threading.Lock()
 
+    def _check_alive(self) -> None:
+        """Raises at once when the core's process has ended: its stream would otherwise be waited on
+        (a TCPStore connection retries for its whole timeout) until the heartbeat timeout."""
+        code = self.service.process.poll()
+        if code is not None:
+            raise RuntimeError(f"the core's process ended (exit {code}) during step {self.step}")
+
     def address(self) -> tuple[str, int, int]:
+        self._check_alive()
         with self._lock:
             if self._address is None:
                 spec = self.service.next_line(300, f"step {self.step} to open")["stream"]
@@ -117,8 +125,11 @@ class CoreStep:
             return self._address
 
     def _stream(self) -> StreamProducer:
+        self._check_alive()
         if self._producer is None:
-            self._producer = StreamProducer(*self.address())
+            # the core opened the step (its address line says so): a connection that takes longer is to
+            # a core that died since
+            self._producer = StreamProducer(*self.address(), timeout_s=60.0)
         return self._producer
 
     def append(self, chunk: Chunk, key: str) -> None:
@@ -346,7 +357,12 @@ def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
     counted = [0]  # switches already counted in a committed step
 
     def commit(figures: dict[str, Any], report: dict[str, Any]) -> None:
-        metrics = {k: float(v) for k, v in report.get("metrics", {}).items()}
+        con = connect(Store(job.store), job.selection)
+        try:  # executions by status (abandoned ones too), reward, pass rate, tokens: as a colocate step's
+            metrics = step_figures(con, figures["step"])
+        finally:
+            con.close()
+        metrics |= {k: float(v) for k, v in report.get("metrics", {}).items()}
         switches, counted[0] = pool.switches[counted[0] :], len(pool.switches)
         metrics["switches"] = float(len(switches))
         for role in ("train", "rollout"):

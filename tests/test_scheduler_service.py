@@ -100,3 +100,7 @@ def test_a_killed_scheduler_is_restarted_from_the_store(prefect_harness, tmp_pat
         base = re.sub(r"-a\d+$", "", abandoned)
         assert any(e.startswith(base) and e != abandoned for e in ended), (abandoned, recorded)
     assert restarts == 1.0
+    # the step table (the UI's artifact, `gyre run`'s summary) shows each step's executions, the abandoned too
+    abandoned = sum(status == "abandoned" for _, status, _ in recorded)
+    assert [r.metrics["executions"] for r in records] == [4.0, 4.0]  # the ended ones
+    assert sum(r.metrics.get("executions_abandoned", 0) for r in records) == abandoned >= 1
