@@ -30,6 +30,15 @@ Rows (what breaks, and what recovery_s measures):
   Prefect server), a one-call curl agent: the Prefect task runs it costs, and every execution in SQL.
 - `gateway load`: bench/load_gateway.py (concurrent multi-turn sessions, p50/p99 latency and the
   gateway's own overhead).
+- the campaign rows (bench/faults_campaign.py says each): a process of a running `gyre run` campaign
+  SIGKILLed (the campaign process, the trainer, the Prefect server, an engine, the gateway, the
+  scheduler service, the trainer core under it), audited over every step of the campaign, with
+  trained-twice counted by (execution_id, trajectory_id) over the packed batches.
+- `satellite SIGKILL mid-step`: an elastic training step whose satellite dies after its first
+  micro-batch; lost and duplicated count micro-batches, and the update must equal the core's alone.
+
+`--only PART,...` (processes, s3, big, load, campaign, satellite) runs those parts and writes their
+rows in place of the same rows of the output file.
 
 Figures go to bench/results/faults.json: {"rows": [{name, runs, survived, lost, duplicated,
 recovery_s, ...}], ...}.
@@ -81,6 +90,7 @@ SIZES = {
         "big_step": 200,
         "load_sessions": 64,
         "load_seconds": 20.0,
+        "campaign_runs": 1,
     },
     False: {
         "runs": 3,
@@ -90,6 +100,7 @@ SIZES = {
         "big_step": 2000,
         "load_sessions": 256,
         "load_seconds": 120.0,
+        "campaign_runs": 1,
     },
 }
 TRAINABLE = ("completed", "timeout")
@@ -518,16 +529,161 @@ def big_step(executions: int, root: str) -> tuple[dict[str, int], bool, dict[str
     return counts, ok, detail
 
 
+def satellite_kill(root: str) -> tuple[dict[str, int], bool, float | None, dict[str, Any]]:
+    """An elastic training step (the core and two satellite processes over gloo) in which one satellite
+    is SIGKILLed after its first micro-batch: the core recomputes what the dead one held, every
+    micro-batch is used once, and the update equals the core's alone (relative difference <= 1e-5)."""
+    import io
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+    import torch
+
+    from bench.train import _model_folder, workload
+    from engines.model.weights import load_model
+    from engines.train.config import TrainerConfig
+    from engines.train.core import CoreTrainer
+    from engines.train.elastic import ElasticCoordinator
+    from engines.train.reference import near_policy_behaviour
+    from engines.train.satellite import start_satellites
+    from trajectory_store.processor import batch_to_table
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread in the core and in each satellite: gradients bitwise alike
+    try:
+        model_dir = f"{root}/satellite/policy"
+        vocab = _model_folder("tiny", model_dir)
+        size = {"max_context": 1500, "max_turns": 12, "budget": 0, "executions": 4}
+        batch, _ = workload(f"{root}/satellite/data", min(vocab, 4096), size)
+        near_policy_behaviour(batch.sequences, load_model(model_dir, dtype="float32"))
+        buffer = io.BytesIO()
+        pq.write_table(batch_to_table(batch, 0), buffer)
+        batch_uri = f"{root}/satellite/batch.parquet"
+        Path(batch_uri).write_bytes(buffer.getvalue())
+        config = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)
+        initial = {
+            k: v.detach().clone() for k, v in load_model(model_dir, dtype="float32").state_dict().items()
+        }
+
+        def step(satellites: list[dict]):
+            core = CoreTrainer(load_model(model_dir, dtype="float32"), config)
+            coordinator = ElasticCoordinator(core)
+            processes = start_satellites(
+                coordinator.host, coordinator.port, model_dir, satellites, pace_s=0.3
+            )
+            weights_dir = f"{root}/satellite/fast-{len(satellites)}"
+            os.makedirs(weights_dir, exist_ok=True)
+            report = coordinator.run_step(
+                0,
+                batch.sequences,
+                len(batch.advantages),
+                batch_uri=batch_uri,
+                weights_dir=weights_dir,
+                pace_s=0.3 if satellites else 0.0,
+            )
+            for process in processes:
+                process.join(timeout=60)
+            coordinator.close()
+            return core.weights(), report, [p.exitcode for p in processes]
+
+        reference, _, _ = step([])
+        weights, report, exitcodes = step([{"die_after": 1}, {}])
+    finally:
+        torch.set_num_threads(threads)
+    num = den = 0.0
+    for name, ref in reference.items():
+        num += float((weights[name] - ref).double().pow(2).sum())
+        den += float((ref - initial[name]).double().pow(2).sum())
+    diff = (num / den) ** 0.5
+    used = Counter(i for ids in report.by_participant.values() for i in ids)
+    counts = {
+        "lost": sum(1 for i in range(report.micro_batches) if used[i] == 0),
+        "duplicated": sum(1 for n in used.values() if n > 1),
+        "unended": 0,
+        "abandoned": 0,
+    }
+    ok = -signal.SIGKILL in exitcodes and len(report.dead) == 1 and diff <= 1e-5
+    detail = {
+        "micro_batches": report.micro_batches,
+        "recomputed_by_core": len(report.recomputed),
+        "satellite_exit_codes": exitcodes,
+        "update_rel_diff_vs_core_alone": diff,
+    }
+    return counts, ok, None, detail  # nothing to wait for: the step ends with the core's recomputation
+
+
 # -- the benchmark ---------------------------------------------------------------------------------
 
 
-def run(quick: bool) -> dict[str, Any]:
+PARTS = ("processes", "s3", "big", "load", "campaign", "satellite")
+
+
+def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
+    """The rows of ``parts``: processes (misbehaving harnesses, dispatcher, gateway and engine kills on a
+    local stack), s3 (the store stalls), big (the 2,000-execution step), load (the gateway), campaign
+    (processes of a running campaign killed: bench/faults_campaign.py), satellite (an elastic step)."""
     size = SIZES[quick]
     root = tempfile.mkdtemp(prefix="gyre-faults-")
+    rows = []
+    started = time.monotonic()
+    if "processes" in parts:
+        rows += process_rows(size, root)
+    problems = choose_problems("mixed", size["problems"], seed=11)
+    if "s3" in parts:
+        counts, ok, recovery, statuses = s3_stall(problems, size["group_size"], root, size["stall_s"])
+        name = f"S3 store stopped {size['stall_s']:.0f} s"
+        rows.append(_row(name, [(counts, ok, recovery)], statuses=statuses))
+        print(json.dumps(rows[-1]), flush=True)
+    if "big" in parts:
+        counts, ok, detail = big_step(size["big_step"], root)
+        rows.append(_row(f"{size['big_step']:,} executions in one step", [(counts, ok, None)], **detail))
+        print(json.dumps(rows[-1]), flush=True)
+    if "load" in parts:
+        from bench.load_gateway import gateway_load
+
+        load = gateway_load(size["load_sessions"], size["load_seconds"], root=f"{root}/load")
+        rows.append({**load, "recovery_s": None})  # nothing breaks: nothing to recover from
+        print(json.dumps(rows[-1]), flush=True)
+    if "campaign" in parts:
+        rows += campaign_rows(size, root)
+    if "satellite" in parts:
+        counts, ok, recovery, detail = satellite_kill(root)
+        rows.append(_row("satellite SIGKILL mid-step", [(counts, ok, recovery)], **detail))
+        print(json.dumps(rows[-1]), flush=True)
+    return {
+        "quick": quick,
+        "rows": rows,
+        "all_survived": all(r["survived"] == r["runs"] for r in rows),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def campaign_rows(size: dict[str, Any], root: str) -> list[dict[str, Any]]:
+    from pathlib import Path
+
+    from bench import faults_campaign
+
+    folder = Path(root) / "campaign"
+    folder.mkdir()
+    rows = []
+    try:
+        for name, job in faults_campaign.rows(folder, POLICY, quick=size["runs"] == 1):
+            results, details = [], []
+            for _ in range(size["campaign_runs"]):
+                counts, ok, recovery, detail = job()
+                results.append((counts, ok, recovery))
+                details.append(detail)
+            rows.append(_row(name, results, detail=details))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        faults_campaign.stop_services(folder)
+    return rows
+
+
+def process_rows(size: dict[str, Any], root: str) -> list[dict[str, Any]]:
     store = StoreConfig(data_root=f"{root}/store", campaign="faults")
     problems = choose_problems("mixed", size["problems"], seed=11)
     rows = []
-    started = time.monotonic()
     step = 0
     with local_stack(POLICY, store, engines=2) as stack, contextlib.ExitStack() as keep:
         for agent, name in (
@@ -564,25 +720,7 @@ def run(quick: bool) -> dict[str, Any]:
             _row("rollout engine SIGKILL mid-decode", [(counts, ok, recovery)], statuses=dict(statuses))
         )
         print(json.dumps(rows[-1]), flush=True)
-    counts, ok, recovery, statuses = s3_stall(problems, size["group_size"], root, size["stall_s"])
-    rows.append(
-        _row(f"S3 store stopped {size['stall_s']:.0f} s", [(counts, ok, recovery)], statuses=statuses)
-    )
-    print(json.dumps(rows[-1]), flush=True)
-    counts, ok, detail = big_step(size["big_step"], root)
-    rows.append(_row(f"{size['big_step']:,} executions in one step", [(counts, ok, None)], **detail))
-    print(json.dumps(rows[-1]), flush=True)
-    from bench.load_gateway import gateway_load
-
-    load = gateway_load(size["load_sessions"], size["load_seconds"], root=f"{root}/load")
-    rows.append({**load, "recovery_s": None})  # nothing breaks: nothing to recover from
-    print(json.dumps(rows[-1]), flush=True)
-    return {
-        "quick": quick,
-        "rows": rows,
-        "all_survived": all(r["survived"] == r["runs"] for r in rows),
-        "wall_s": round(time.monotonic() - started, 1),
-    }
+    return rows
 
 
 def print_table(figures: dict[str, Any]) -> None:
@@ -595,8 +733,35 @@ def print_table(figures: dict[str, Any]) -> None:
         )
 
 
-def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
-    figures = run(quick)
+def merged(figures: dict[str, Any], out: str, only: tuple[str, ...]) -> dict[str, Any]:
+    """``figures``' rows in place of the same rows of the file ``out`` (the other rows kept, in order):
+    what `--only` writes. Each row says when it was measured and whether quick."""
+    try:
+        with open(out) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return figures
+    new = {row["name"]: row for row in figures["rows"]}
+    rows = [new.pop(row["name"], row) for row in old.get("rows", [])] + list(new.values())
+    run = {"parts": list(only), "wall_s": figures["wall_s"], "measured": time.strftime("%Y-%m-%d")}
+    return {
+        **old,  # wall_s stays the full run's
+        "rows": rows,
+        "all_survived": all(r["survived"] == r["runs"] for r in rows),
+        "only_runs": [*old.get("only_runs", []), run],
+    }
+
+
+def main(quick: bool = False, out: str = DEFAULT_OUT, only: tuple[str, ...] = ()) -> int:
+    unknown = set(only) - set(PARTS)
+    if unknown:
+        raise ValueError(f"--only: unknown part(s) {sorted(unknown)}; the parts are {', '.join(PARTS)}")
+    figures = run(quick, tuple(only) or PARTS)
+    stamp = time.strftime("%Y-%m-%d")
+    for row in figures["rows"]:
+        row |= {"measured": stamp, "quick": quick}
+    if only:
+        figures = merged(figures, out, only)
     print_table(figures)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
@@ -608,4 +773,5 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--dispatcher"]:
         sys.exit(dispatcher_job())
-    sys.exit(main(quick="--quick" in sys.argv))
+    only = tuple(a.removeprefix("--only=") for a in sys.argv[1:] if a.startswith("--only="))
+    sys.exit(main(quick="--quick" in sys.argv, only=tuple(p for o in only for p in o.split(","))))

@@ -1,6 +1,7 @@
 """The campaign commands of `gyre`: the services, the run, deployments, and the campaign benchmarks.
 
 gyre up [--config configs/demo.toml]       Prefect server + UI, rollout engines, gateway (loopback)
+        [--watch]                           ... and start again any of them that dies
 gyre status                                 each service with its pid, address and health
 gyre down                                   stops what `gyre up` started, nothing else
 gyre run [--config configs/demo.toml]       up + the campaign (progress on stderr) + a summary
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -41,6 +43,11 @@ def add_campaign_parsers(commands, bench_commands) -> None:
         "--config", default=DEMO_CONFIG, help="campaign config: its policy, [serving] and [store]"
     )
     up.add_argument("--data-root", default=None, help="override [store].data_root")
+    up.add_argument(
+        "--watch",
+        action="store_true",
+        help="stay in the foreground and start again any service whose process dies (Ctrl-C stops watching)",
+    )
     for command in (run, up):
         command.add_argument("--prefect-port", type=int, default=4200, help="0: any free port")
         command.add_argument("--gateway-port", type=int, default=8200, help="0: any free port")
@@ -112,7 +119,10 @@ def _server_url(data_root: str) -> str:
 
 def run_campaign_command(args: argparse.Namespace) -> int:
     if args.command == "up":
-        return _up(args, quiet=False) and 0
+        record = _up(args, quiet=False)
+        if getattr(args, "watch", False):
+            _watch_forever(record.data_root)
+        return 0
     if args.command == "status":
         return _status(_config(args).store.data_root)
     if args.command == "down":
@@ -171,6 +181,26 @@ def _up(args: argparse.Namespace, quiet: bool):
     return record
 
 
+def _say_revived(names: list[str], error: Exception | None) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    if error is not None:
+        print(f"\n{stamp} gyre: a service did not start again: {error}", file=sys.stderr, flush=True)
+    else:
+        print(
+            f"\n{stamp} gyre: started again {', '.join(names)} (its process had died)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _watch_forever(data_root: str) -> None:
+    from tasks.up import watch
+
+    print("watching: a service whose process dies is started again (Ctrl-C stops watching)", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        watch(data_root, threading.Event(), on_revive=_say_revived)
+
+
 def _status(data_root: str) -> int:
     from tasks.up import status
 
@@ -178,7 +208,7 @@ def _status(data_root: str) -> int:
     if not rows:
         print(f"no services of gyre up for {data_root}")
         return 0
-    columns = ["name", "pid", "url", "running", "healthy", "log"]
+    columns = ["name", "pid", "url", "running", "healthy", "starts", "log"]
     print(render(columns, [[row[c] for c in columns] for row in rows]))
     return 0 if all(row["healthy"] for row in rows) else 1
 
@@ -259,11 +289,20 @@ def _run(args: argparse.Namespace) -> int:
     started = time.time()
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
+    from tasks.up import watch
     from tasks.zombies import HEARTBEAT_S
 
     beating = {PREFECT_API_URL: record.prefect_api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}
-    with temporary_settings(beating), Progress(config):  # a killed campaign is found (tasks/zombies.py)
-        campaign(config)
+    stop = threading.Event()  # while the campaign runs, a service that dies is started again
+    supervisor = threading.Thread(
+        target=watch, args=(record.data_root, stop), kwargs={"on_revive": _say_revived}, daemon=True
+    )
+    supervisor.start()
+    try:
+        with temporary_settings(beating), Progress(config):  # a killed campaign is found (tasks/zombies.py)
+            campaign(config)
+    finally:
+        stop.set()
     store = config.store.model_copy(update={"campaign": config.name})
     steps = committed_steps(store)
     columns = [

@@ -24,7 +24,7 @@
     gyre bench store|train|engine|rollout|learn [--quick]  the benchmarks (figures printed and in bench/results/)
     gyre bench ui [--out bench/results/ui.png]         a screenshot of a campaign in the Prefect UI
     gyre bench schedule [--quick] [--sim-only]         elastic vs colocate vs async: simulated at paper scale + real on CPU
-    gyre bench faults [--quick]                        processes killed, misbehaving agents, gateway load: lost / duplicated work
+    gyre bench faults [--quick] [--only PARTS]         processes killed, misbehaving agents, gateway load: lost / duplicated work
     gyre sim [--preset NAME] [--set KEY=VALUE ...]     one simulated comparison of the three policies, against the bound
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="one run of each fault, a 200-execution step, 64 sessions of load for 20 s",
     )
     faults.add_argument("--out", default="bench/results/faults.json", help="where the figures go (JSON)")
+    faults.add_argument(
+        "--only",
+        default="",
+        help="comma-separated parts to run (processes, s3, big, load, campaign, satellite); their rows replace the "
+        "same rows of --out, the others are kept",
+    )
     schedule.add_sim_parser(commands)
     _show_defaults(parser)
     return parser
@@ -236,7 +242,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "faults":
         from bench.faults import main as bench_faults
 
-        return bench_faults(quick=args.quick, out=args.out)
+        only = tuple(part for part in args.only.split(",") if part)
+        return bench_faults(quick=args.quick, out=args.out, only=only)
     if args.command == "bench" and args.bench_command == "schedule":
         return schedule.run(args)
     if args.command == "sim":

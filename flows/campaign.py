@@ -46,6 +46,7 @@ from tasks.report import campaign_summary, role_timeline, start_progress, step_t
 from tasks.schedule import ScheduleJob, run_scheduler
 from tasks.services import Services, campaign_services
 from tasks.train import TrainStepRequest, train_step
+from tasks.up import revivals
 
 
 def campaign_store(config: CampaignConfig):
@@ -92,9 +93,11 @@ def rl_step(
         )
     )
     ended = time.time()
+    revived = [r for r in revivals(config.store.data_root) if started <= r["wall"] <= ended]
     metrics = {
         **batch.figures,
         **report.metrics,
+        "services_revived": float(len(revived)),  # processes of `gyre up` that died and were started again
         "version": float(report.version),
         "trained": float(report.trained),
         "rollout_s": rolled - started,

@@ -29,14 +29,21 @@ from uuid import UUID
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import update_progress_artifact
 from pydantic import BaseModel, Field
 
 from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch_missing
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
-from tasks.services import Services, policy_path, prune_fast_dir, serve_version, sleep_engines
+from tasks.services import (
+    Services,
+    policy_path,
+    prune_fast_dir,
+    readd_dead_engines,
+    serve_version,
+    sleep_engines,
+)
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.parts import naming_bad_parts
@@ -162,7 +169,12 @@ def run_missing(
     }
 
 
-@task(name="roll-out", task_run_name="roll out step {step}", retries=1, retry_delay_seconds=2)
+# a gateway that died is started again by the supervisor (tasks/up.watch) within seconds: the retries
+# wait long enough for it, and each runs only the members with no ending yet
+RETRY_DELAYS_S = [5, 15, 30]
+
+
+@task(name="roll-out", task_run_name="roll out step {step}", retries=3, retry_delay_seconds=RETRY_DELAYS_S)
 def roll_out(
     problems: list[dict[str, Any]],
     services: Services,
@@ -211,7 +223,9 @@ class StepProgress(BaseModel):
             yield report
 
 
-@task(name="evaluate", task_run_name="evaluate version {version}", retries=1, retry_delay_seconds=2)
+@task(
+    name="evaluate", task_run_name="evaluate version {version}", retries=3, retry_delay_seconds=RETRY_DELAYS_S
+)
 def evaluate(
     problems: list[dict[str, Any]],
     services: Services,
@@ -294,6 +308,9 @@ def serve(services: Services, engines: list[str], version: int, init_model: str)
     """The given engines wake (or hot-swap) to ``version``; a no-op for an engine already serving it."""
     done = serve_version(services, engines, version, policy_path(services, version, init_model))
     prune_fast_dir(services, version)
+    for engine_id in readd_dead_engines(services, engines):  # it died and was started again
+        get_run_logger().warning("engine %s had died: it serves version %d again", engine_id, version)
+        done[engine_id] = "added back"
     return done
 
 

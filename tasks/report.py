@@ -33,6 +33,8 @@ STEP_COLUMNS = (
     ("executions_error", "error"),
     ("executions_eval_failed", "eval_failed"),
     ("executions_abandoned", "abandoned"),
+    ("train_attempts", "train attempts"),
+    ("services_revived", "services revived"),
     ("executions_zero_signal", "zero-signal"),
     ("executions_stale", "stale"),
     ("tokens_naive", "tokens as sent"),

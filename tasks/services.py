@@ -89,10 +89,16 @@ def _engine(url: str, services: Services, method: str, path: str, body: dict | N
 
 
 def serve_version(services: Services, engines: list[str], version: int, path: str) -> dict[str, str]:
-    """Makes every engine in ``engines`` awake and serving ``version`` (idempotent); says what it did."""
+    """Makes every engine in ``engines`` awake and serving ``version`` (idempotent); says what it did.
+    An engine that cannot be reached (its process died) is skipped: the gateway routes nothing to it,
+    and the step runs on the others; with none reachable it raises."""
     done = {}
     for url in engines:
-        stats = _engine(url, services, "GET", "/admin/stats")
+        try:
+            stats = _engine(url, services, "GET", "/admin/stats")
+        except httpx.TransportError:
+            done[url] = "unreachable"
+            continue
         if stats.get("asleep"):
             _engine(url, services, "POST", "/admin/wake", {"path": path, "version": version})
             done[url] = "woke"
@@ -103,12 +109,37 @@ def serve_version(services: Services, engines: list[str], version: int, path: st
             done[url] = "swapped"
         else:
             done[url] = "serving"
+    if engines and all(what == "unreachable" for what in done.values()):
+        raise RuntimeError(f"no engine answers: {', '.join(engines)}")
     return done
 
 
+def gateway_admin(services: Services, method: str, path: str, body: dict | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {services.admin_token.get_secret_value()}"}
+    response = httpx.request(method, f"{services.gateway_url}{path}", json=body, headers=headers, timeout=60)
+    if response.status_code != 200:
+        raise RuntimeError(f"gateway {path} answered {response.status_code}: {response.text[:300]}")
+    return response.json()
+
+
+def readd_dead_engines(services: Services, engines: list[str]) -> list[str]:
+    """Adds back to the gateway each engine of ``engines`` it holds dead (a process that died and was
+    started again on its address, by `gyre up --watch` or `gyre run`); call it once the engine serves
+    the step's version. Returns their ids."""
+    stats = gateway_admin(services, "GET", "/admin/stats")
+    added = []
+    for engine in stats["engines"]:
+        if engine["state"] == "dead" and engine["url"] in engines:
+            gateway_admin(services, "POST", "/admin/engines", {"url": engine["url"]})
+            added.append(engine["engine_id"])
+    return added
+
+
 def sleep_engines(services: Services, engines: list[str]) -> None:
+    """Frees the engines' memory for training; one that cannot be reached (dead) holds none."""
     for url in engines:
-        _engine(url, services, "POST", "/admin/sleep")
+        with contextlib.suppress(httpx.TransportError):
+            _engine(url, services, "POST", "/admin/sleep")
 
 
 def prune_fast_dir(services: Services, version: int) -> None:

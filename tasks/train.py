@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from prefect import task
+from prefect.runtime import task_run
 
 from engines.train.config import LossConfig, TrainerConfig
 from engines.train.run import TrainStepReport, TrainStepRequest
@@ -49,4 +50,6 @@ def run_trainer_process(request: TrainStepRequest, env: dict[str, str] | None = 
 
 @task(name="train", task_run_name="train step {request.step}", retries=2, retry_delay_seconds=2)
 def train_step(request: TrainStepRequest, env: dict[str, str] | None = None) -> TrainStepReport:
-    return run_trainer_process(request, env)
+    report = run_trainer_process(request, env)
+    report.metrics["train_attempts"] = float(task_run.run_count or 1)  # > 1: a trainer died, retried
+    return report

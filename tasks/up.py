@@ -7,7 +7,10 @@
 The record is ``<state>/services.json`` (mode 0600: it holds the admin tokens), where ``<state>`` is
 ``<data_root>/.gyre`` for a local data root and ``~/.gyre/<hash of the URL>`` for an object store;
 each service's log is beside it. ``up`` is idempotent: services of the record that still answer are
-kept, the others are started again. A Prefect server is started only when the caller has none
+kept, the others are started again. ``revive`` (what ``up`` does when the record's policy is the
+same, and what ``watch``, `gyre up --watch` and `gyre run` do every few seconds) starts a service
+whose process died again the way it was started: same command, same port, same config and tokens,
+so the gateway and the engines are where the campaign expects them. A Prefect server is started only when the caller has none
 (``prefect_api_url`` None: the CLI passes PREFECT_API_URL when it is set). The trainer is not a
 service: every step runs one in a process of its own (engines/train/run.py), so a trainer that dies
 costs one retry of one step and never leaves state behind.
@@ -19,12 +22,15 @@ program is left alone).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -46,6 +52,10 @@ class ServiceRecord(BaseModel):
     url: str  # what answers /health (the Prefect server: its API)
     marker: str  # a piece of its command line that identifies it
     log: str
+    command: list[str] = []  # how it was started (`revive` starts it again the same way; [] never)
+    env: dict[str, str] = {}  # what it adds to the environment
+    stdin: str = ""  # its config as JSON, admin tokens included (the record is mode 0600)
+    starts: int = 1  # 1 + the times `revive` started it again
 
 
 class UpRecord(BaseModel):
@@ -95,10 +105,14 @@ def _healthy(url: str) -> bool:
     return False
 
 
+BASE_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+
+
 def _start(
     name: str, command: list[str], url: str, marker: str, state: Path, env: dict, stdin: str = ""
 ) -> ServiceRecord:
-    """Starts a detached service (its own session, so it outlives `gyre up`) and waits for its health."""
+    """Starts a detached service (its own session, so it outlives `gyre up`) and waits for its health.
+    ``env``: what it adds to this process's environment."""
     log = state / f"{name}.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(
@@ -106,7 +120,7 @@ def _start(
             stdin=subprocess.PIPE,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=env,
+            env={**os.environ, **BASE_ENV, **env},
             start_new_session=True,
         )
     with process.stdin:  # type: ignore[union-attr]
@@ -121,7 +135,16 @@ def _start(
             process.kill()
             raise RuntimeError(f"{name} did not answer {url}/health within 240 s; its log: {log}")
         time.sleep(0.5)
-    return ServiceRecord(name=name, pid=process.pid, url=url, marker=marker, log=str(log))
+    return ServiceRecord(
+        name=name,
+        pid=process.pid,
+        url=url,
+        marker=marker,
+        log=str(log),
+        command=command,
+        env=env,
+        stdin=stdin,
+    )
 
 
 class ServingConfig(BaseModel):
@@ -154,9 +177,14 @@ def up(
     old = read_record(data_root)
     if old and old.policy == policy and all(_alive(s) and _healthy(s.url) for s in old.services):
         return old
+    if old and old.policy == policy and all(s.command for s in old.services):
+        revive(data_root)  # keeps what runs (a campaign may be using it), starts what died
+        old = read_record(data_root)
+        if old and all(_alive(s) and _healthy(s.url) for s in old.services):
+            return old
     if old:
         down(data_root)
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    env: dict[str, str] = {}
     services = []
     try:
         ui_url = None
@@ -164,7 +192,6 @@ def up(
             port = prefect_port or free_port()
             prefect_home = state / "prefect"
             prefect_env = {
-                **env,
                 "PREFECT_HOME": str(prefect_home),
                 "PREFECT_SERVER_UI_STATIC_DIRECTORY": str(prefect_home / "ui"),
                 # the browser asks /ui-settings where the API is: this server, not the default port
@@ -186,7 +213,7 @@ def up(
             ui_url = f"http://127.0.0.1:{port}"
         engine_token, admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
         threads = str(serving.engine_threads)
-        engine_env = {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        engine_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         engine_urls = []
         for index in range(serving.engines):
             config = EngineServerConfig(
@@ -244,6 +271,96 @@ def up(
     return record
 
 
+def revive(data_root: str) -> list[str]:
+    """Starts again each service of the record whose process died, the way `up` started it (same
+    command, port, config and tokens); returns their names. A service that runs but does not answer
+    is left alone: a busy engine answers /health late, and killing it would lose its calls. Serialised
+    by a lock beside the record, so two supervisors never start one service twice."""
+    state = state_dir(data_root)
+    if not (state / RECORD).exists():
+        return []
+    with open(state / "revive.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = read_record(data_root)
+        if record is None:
+            return []
+        revived = []
+        for index, service in enumerate(record.services):  # Prefect, then the engines, then the gateway
+            if _alive(service) or not service.command:
+                continue
+            again = _start(
+                service.name,
+                service.command,
+                service.url,
+                service.marker,
+                state,
+                service.env,
+                service.stdin,
+            )
+            record.services[index] = again.model_copy(update={"starts": service.starts + 1})
+            revived.append(service.name)
+            _write_record(data_root, record)  # at once: a supervisor killed next never starts it twice
+            _note_revival(state, service, record.services[index], record.prefect_api_url)
+            if service.name == "prefect":
+                _install_zombie_detection(record.prefect_api_url)
+            elif service.name.startswith("engine-"):
+                _like_its_siblings(record, service.url)
+        return revived
+
+
+def _like_its_siblings(record: UpRecord, url: str) -> None:
+    """A restarted engine serves what its live siblings serve (the version of the running step, or
+    asleep while the trainer runs), not the policy it starts with; the gateway, which held it dead,
+    takes it back at the next step (tasks/services.readd_dead_engines)."""
+    headers = {"Authorization": f"Bearer {record.engine_admin_token}"}
+    for sibling in record.engine_urls:
+        if sibling == url:
+            continue
+        with contextlib.suppress(httpx.HTTPError):
+            stats = httpx.get(f"{sibling}/admin/stats", headers=headers, timeout=10).json()
+            if stats.get("asleep"):
+                httpx.post(f"{url}/admin/sleep", headers=headers, timeout=60)
+            elif stats.get("weights_path"):
+                body = {"path": stats["weights_path"], "version": stats["policy_version"], "drop_kv": True}
+                httpx.post(f"{url}/admin/weights", json=body, headers=headers, timeout=600)
+            return
+
+
+def _note_revival(state: Path, old: ServiceRecord, new: ServiceRecord, api_url: str) -> None:
+    """One JSON line per revival in ``<state>/revivals.jsonl`` (a step's metrics count those in its
+    time: services_revived), and a Prefect event ``gyre.service.revived`` (the UI's event feed)."""
+    line = {"wall": time.time(), "name": new.name, "old_pid": old.pid, "pid": new.pid, "starts": new.starts}
+    with open(state / "revivals.jsonl", "a") as out:
+        out.write(json.dumps(line) + "\n")
+    from prefect.events import emit_event
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    resource = {"prefect.resource.id": f"gyre.service.{new.name}", "prefect.resource.name": new.name}
+    with contextlib.suppress(Exception), temporary_settings({PREFECT_API_URL: api_url}):
+        emit_event(event="gyre.service.revived", resource=resource, payload=line)  # sent in the background
+
+
+def revivals(data_root: str) -> list[dict]:
+    path = state_dir(data_root) / "revivals.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def watch(data_root: str, stop: threading.Event, interval_s: float = 5.0, on_revive=None) -> None:
+    """Revives dead services every ``interval_s`` until ``stop`` is set; a failed start is reported
+    (``on_revive(names, error)``) and tried again next time."""
+    while not stop.wait(interval_s):
+        try:
+            names = revive(data_root)
+        except Exception as exc:  # the supervisor outlives one failed start
+            if on_revive:
+                on_revive([], exc)
+            continue
+        if names and on_revive:
+            on_revive(names, None)
+
+
 def _install_zombie_detection(api_url: str) -> None:
     """The automation that sets a silent flow run CRASHED (tasks/zombies.py), on the server used."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -292,6 +409,7 @@ def status(data_root: str) -> list[dict[str, object]]:
             "url": s.url,
             "running": _alive(s),
             "healthy": _healthy(s.url),
+            "starts": s.starts,
             "log": s.log,
         }
         for s in record.services

@@ -48,3 +48,56 @@ def test_an_s3_store_that_stops_loses_no_call(tmp_path):
     counts, ok, recovery, statuses = s3_stall(problems, 1, str(tmp_path), stall_s=5.0)
     assert ok and clean(counts) == CLEAN and statuses == {"completed": 2}, (counts, statuses)
     assert counts["calls"] >= 2 and recovery is not None
+
+
+def test_a_campaign_lives_through_its_processes_killed(tmp_path):
+    """`gyre run` (its own process, against `gyre up`'s services) while, in turn, its Prefect server
+    dies mid-rollout, its trainer mid-train, an engine mid-rollout, the gateway mid-rollout, and
+    then the campaign process itself: the supervisor in `gyre run` starts the server, the engine and
+    the gateway again, the train task's retry trains the step once, the roll-out task's retry runs
+    what the gateway's death cut short, and one more `gyre run --name` finishes the campaign. Every
+    member of every step ended once, nothing was trained twice, and the faults show in the step
+    metrics."""
+    from bench.faults_campaign import (
+        campaign_fault,
+        mid_rollout,
+        mid_train,
+        pids_running,
+        service_pid,
+        stop_services,
+    )
+    from trajectory_store.db import connect
+    from trajectory_store.storage import Store
+
+    data = str(tmp_path / "colocate")
+    engine_url = {}
+
+    def engine(run) -> int:
+        from tasks.up import read_record
+
+        engine_url["url"] = read_record(data).engine_urls[1]
+        return service_pid(data, "engine-1")
+
+    kills = [
+        (mid_rollout(0), lambda run: service_pid(data, "prefect")),
+        (mid_train(0), lambda run: pids_running(b"engines.train.run")[0]),
+        (mid_rollout(1), engine),
+        (mid_rollout(2), lambda run: service_pid(data, "gateway")),
+        (mid_rollout(3), lambda run: run.pid),
+    ]
+    try:
+        counts, ok, _, detail = campaign_fault(
+            tmp_path, "colocate", "kills", kills, POLICY, expect_reruns=1, steps=4
+        )
+    finally:
+        stop_services(tmp_path)
+    assert ok and clean(counts) == CLEAN, (counts, detail)
+    assert detail["kills"] == 5 and detail["exit_codes"][0] == -9 and detail["versions"] == [1, 2, 3, 4]
+    assert detail["trained_twice"] == 0 and counts["abandoned"] >= 1  # the dead run's live attempts
+    assert detail["train_attempts"][0] == 2.0 and detail["train_attempts"][1:] == [1.0, 1.0, 1.0]
+    assert {"prefect", "engine-1", "gateway"} <= set(detail["revived"])
+    assert detail["services_revived"][0] >= 1  # the server, during step 0
+    con = connect(Store(StoreConfig(data_root=data, campaign="kills")))
+    engines = {e for (e,) in con.execute("SELECT DISTINCT engine_id FROM calls WHERE step = 2").fetchall()}
+    con.close()
+    assert f"rollout-{engine_url['url'].rsplit(':', 1)[1]}" in engines  # the revived engine, taken back

@@ -48,3 +48,98 @@ def test_up_serves_a_campaign_and_down_stops_only_what_it_started(prefect_harnes
     from tasks.up import _alive
 
     assert not any(_alive(service) for service in record.services)  # each pid gone or another program
+
+
+@pytest.mark.slow
+def test_a_service_that_dies_is_started_again_where_it_was_and_its_engine_taken_back(
+    prefect_harness, tmp_path
+):
+    """SIGKILLed, an engine and then the gateway are started again by `revive` (what `gyre up --watch`
+    and `gyre run` call every few seconds) on their addresses with their tokens; the engine serves
+    what its sibling serves, and the gateway, which found it dead, takes it back at the next serve."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from openai import OpenAI
+    from prefect.settings import PREFECT_API_URL
+    from pydantic import SecretStr
+
+    from environments.dispatch import GatewayAdmin
+    from tasks.services import Services, readd_dead_engines, serve_version
+    from tasks.up import revivals, revive
+
+    policy = tiny_policy(tmp_path / "policy")
+    data_root = str(tmp_path / "data")
+    serving = ServingConfig(engines=2, trainer_threads=1)
+    url = PREFECT_API_URL.value()
+    record = up(data_root, policy, serving, prefect_api_url=url, gateway_port=0, engine_port=0)
+    try:
+        services = Services(
+            gateway_url=record.gateway_url,
+            admin_token=SecretStr(record.admin_token),
+            engine_urls=record.engine_urls,
+            engine_admin_token=SecretStr(record.engine_admin_token),
+            policy_root=str(tmp_path / "campaign"),
+            fast_dir=str(tmp_path / "fast"),
+        )
+        assert set(serve_version(services, record.engine_urls, 3, policy).values()) == {"swapped"}
+        victim = next(s for s in record.services if s.name == "engine-1")
+        os.kill(victim.pid, signal.SIGKILL)
+        engine_id = f"rollout-{victim.url.rsplit(':', 1)[1]}"
+
+        async def register() -> dict:
+            async with httpx.AsyncClient() as http:
+                return await GatewayAdmin(record.gateway_url, record.admin_token, http).register("x")
+
+        registration = asyncio.run(register())
+        client = OpenAI(base_url=registration["base_url"], api_key=registration["api_key"], max_retries=0)
+        for agent in range(4):  # new sessions go to the least loaded engine: some try the dead one
+            out = client.chat.completions.create(
+                model="gyre-policy",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+                extra_headers={"X-Gyre-Agent": f"a{agent}"},
+            )
+            assert out.model_extra["gyre"]["engine_id"] != engine_id
+        stats = httpx.get(
+            f"{record.gateway_url}/admin/stats", headers={"Authorization": f"Bearer {record.admin_token}"}
+        ).json()
+        assert {e["engine_id"]: e["state"] for e in stats["engines"]}[engine_id] == "dead"
+
+        assert revive(data_root) == ["engine-1"]
+        again = next(s for s in read_record(data_root).services if s.name == "engine-1")
+        assert again.url == victim.url and again.pid != victim.pid and again.starts == 2
+        engine = httpx.get(
+            f"{victim.url}/admin/stats", headers={"Authorization": f"Bearer {record.engine_admin_token}"}
+        ).json()
+        assert engine["policy_version"] == 3 and engine["weights_path"] == policy  # like its sibling
+        assert readd_dead_engines(services, record.engine_urls) == [engine_id]
+        assert readd_dead_engines(services, record.engine_urls) == []  # once
+
+        gateway = next(s for s in read_record(data_root).services if s.name == "gateway")
+        os.kill(gateway.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while revive(data_root) != ["gateway"]:
+            assert time.monotonic() < deadline, "the gateway was not started again"
+            time.sleep(0.2)
+        assert [(r["name"], r["starts"]) for r in revivals(data_root)] == [("engine-1", 2), ("gateway", 2)]
+        deadline, seen = time.monotonic() + 30, []
+        while {"engine-1", "gateway"} - set(seen) and time.monotonic() < deadline:  # the UI's event feed
+            events = httpx.post(
+                f"{url}/events/filter", json={"filter": {"event": {"name": ["gyre.service.revived"]}}}
+            ).json()["events"]
+            seen = [e["resource"]["prefect.resource.name"] for e in events]
+            time.sleep(0.5)
+        assert {"engine-1", "gateway"} <= set(seen), seen
+        assert all(row["running"] and row["healthy"] for row in status(data_root))
+        stats = httpx.get(
+            f"{record.gateway_url}/admin/stats", headers={"Authorization": f"Bearer {record.admin_token}"}
+        )
+        assert stats.status_code == 200  # the same address and admin token the campaign holds
+        assert up(
+            data_root, policy, serving, prefect_api_url=url, gateway_port=0, engine_port=0
+        ).services == (read_record(data_root).services)  # kept
+    finally:
+        down(data_root)

@@ -101,6 +101,9 @@ def create_app(
 ) -> FastAPI:
     transport = transport or ShmTransport()
     loop = EngineLoop(engine)
+    loaded: dict[str, str | None] = {
+        "path": None
+    }  # the weights it serves as given (None: those it started with)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -182,6 +185,7 @@ def create_app(
         if version is None:
             raise HTTPException(400, f"{body.path} has no 'version' metadata: pass version")
         engine.update_weights(state, version, drop_kv=body.drop_kv)
+        loaded["path"] = body.path
         return {"policy_version": engine.policy_version}
 
     @app.post("/admin/sleep", dependencies=[Depends(admin)])
@@ -192,6 +196,7 @@ def create_app(
     @app.post("/admin/wake", dependencies=[Depends(admin)])
     def wake(body: WeightsRequest) -> dict:
         engine.wake(body.path, body.version)
+        loaded["path"] = body.path
         loop.notify()
         return {"asleep": engine.asleep, "policy_version": engine.policy_version}
 
@@ -228,6 +233,7 @@ def create_app(
             "engine_id": engine.config.engine_id,
             "policy_version": engine.policy_version,
             "asleep": engine.asleep,
+            "weights_path": loaded["path"],  # what a restarted sibling loads to serve the same version
             "sessions": len(engine.sessions),
             "waiting": len(engine.waiting),
             "running": len(engine.running),

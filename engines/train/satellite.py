@@ -22,7 +22,7 @@ from engines.train.elastic import ElasticConfig, run_satellite
 from engines.train.stream import claimed, read_batch
 from engines.train.worker import GradWorker
 
-__all__ = ["main", "read_batch", "satellite_main"]
+__all__ = ["main", "read_batch", "satellite_main", "start_satellites"]
 
 
 def satellite_main(
@@ -66,6 +66,31 @@ def satellite_main(
     if results is not None:
         results.put(result)
     return result
+
+
+def start_satellites(host: str, port: int, model_dir: str, specs: list[dict], **common) -> list:
+    """Spawned satellite processes of step 0 (one per ``specs`` entry: satellite_main's keyword
+    arguments, with ``common`` ones), each started and connected before this returns (start-up is
+    seconds on CPU)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ready = [context.Event() for _ in specs]
+    processes = [
+        context.Process(
+            target=satellite_main,
+            args=(host, port, 0, model_dir),
+            kwargs={"ready": event, **common, **spec},
+            daemon=True,
+        )
+        for spec, event in zip(specs, ready, strict=True)
+    ]
+    for process in processes:
+        process.start()
+    for event in ready:
+        if not event.wait(300):
+            raise TimeoutError("a satellite did not connect within 300 s")
+    return processes
 
 
 def main(argv: list[str] | None = None) -> int:
