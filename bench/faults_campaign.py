@@ -273,9 +273,10 @@ def campaign_fault(
 # -- when to kill, and whom -------------------------------------------------------------------------
 
 
-def mid_rollout(step: int = 0) -> Callable[[StoreConfig], bool]:
-    """An execution of the step is live at the gateway and has made a call (asked of the gateway: the
-    store sees an execution only once it ended, and a step's executions end close together)."""
+def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[StoreConfig], bool]:
+    """An execution of the step (one of ``attempts`` of a member) is live at the gateway and has made a
+    call (asked of the gateway: the store sees an execution only once it ended, and a step's
+    executions end close together)."""
     import httpx
 
     from environments.dispatch import execution_id_for
@@ -294,9 +295,10 @@ def mid_rollout(step: int = 0) -> Callable[[StoreConfig], bool]:
             config = CampaignConfig.from_toml(str(Path(store.data_root).with_suffix(".toml")))
             problems = [Problem.from_json(p) for p in choose_problems.fn(config.problems, step)]
             ids.extend(
-                execution_id_for(step, problem, member)
+                execution_id_for(step, problem, member, None, attempt)
                 for problem in problems
                 for member in range(config.dispatch.group_size)
+                for attempt in attempts
             )
         headers = {"Authorization": f"Bearer {record.admin_token}"}
         for execution_id in ids:

@@ -178,7 +178,8 @@ def up(
     if old and old.policy == policy and all(_alive(s) and _healthy(s.url) for s in old.services):
         return old
     if old and old.policy == policy and all(s.command for s in old.services):
-        revive(data_root)  # keeps what runs (a campaign may be using it), starts what died
+        with contextlib.suppress(RuntimeError):  # a service that cannot start again: a fresh stack below
+            revive(data_root)  # keeps what runs (a campaign may be using it), starts what died
         old = read_record(data_root)
         if old and all(_alive(s) and _healthy(s.url) for s in old.services):
             return old

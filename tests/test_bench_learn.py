@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.learn import held_out_results, paired_bootstrap
+from bench.signal import mixed_fraction
 from trajectory_store.recorder import Recorder
 from trajectory_store.storage import Store
 
@@ -29,3 +30,10 @@ def test_held_out_results_average_the_samples_of_each_problem(store_config):
     results = held_out_results(store_config, 2)
     assert results["p"] == pytest.approx((0.5, 0.75)) and results["q"] == (1.0, 1.0)
     assert held_out_results(store_config, 3) == {}
+
+
+def test_mixed_fraction_counts_groups_whose_first_k_rewards_differ():
+    rewards = {"a": [1.0, 1.0, 0.0, 1.0], "b": [0.0, 0.0, 0.0, 0.0], "c": [0.0, 1.0], "d": [1.0]}
+    assert mixed_fraction(rewards, 2) == (1, 1 / 3)  # a's first two agree, c's differ, d too short
+    assert mixed_fraction(rewards, 4) == (1, 1 / 2)  # only a and b have four members
+    assert mixed_fraction({}, 2) == (0, 0.0)

@@ -1,0 +1,124 @@
+"""`python -m bench.signal`: how much GRPO signal the shipped warm start gives, per sampling
+temperature and group size, on validation problems (generator seed 1000: neither the held-out
+problems of `gyre bench learn`, seed 0, nor its training problems, seed 5000 + step).
+
+A group whose rewards are all equal has zero advantage everywhere and trains nothing; the fraction
+of groups with mixed rewards is the fraction of a step that teaches. For each temperature, the
+warm start rolls out ``problems`` validation problems in groups of ``group_size`` (the rollout
+settings of configs/learn.toml otherwise), and the figures are counted per group size by taking the
+first k members of each group (k = 2, 4, ..., group_size), so one rollout answers every smaller size.
+
+    python -m bench.signal [--problems 12] [--group-size 8] [--temperatures 1.0,1.3,1.6]
+
+Figures go to bench/results/signal.json: per temperature, the pass rate over every execution and,
+per group size, the groups with mixed rewards and their fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+from environments.dispatch import dispatch_missing
+from flows.config import CampaignConfig
+from tasks.campaign import problems_for
+from tasks.stack import local_stack
+from trajectory_store.storage import StoreConfig
+
+VALIDATION_SEED = 1000
+DEFAULT_OUT = "bench/results/signal.json"
+
+
+def mixed_fraction(rewards_by_problem: dict[str, list[float]], k: int) -> tuple[int, float]:
+    """Groups (the first k members of each) whose rewards are not all equal, and their fraction."""
+    groups = [rewards[:k] for rewards in rewards_by_problem.values() if len(rewards) >= k]
+    mixed = sum(len(set(group)) > 1 for group in groups)
+    return mixed, mixed / len(groups) if groups else 0.0
+
+
+def measure(
+    config: CampaignConfig, problems: int, group_size: int, temperature: float, root: str
+) -> dict[str, Any]:
+    chosen = problems_for(
+        list(config.problems.suites),
+        problems,
+        VALIDATION_SEED,
+        config.problems.difficulty,
+        config.problems.length,
+    )
+    dispatch = replace(
+        config.dispatch,
+        group_size=group_size,
+        harness=replace(config.dispatch.harness, temperature=temperature),
+        workspace_root=f"{root}/ws-{temperature}",
+        campaign=f"signal-{temperature}",
+    )
+    store = StoreConfig(data_root=f"{root}/store", campaign=f"signal-{temperature}")
+    started = time.monotonic()
+    with local_stack(config.policy, store, engines=config.serving.engines, dtype="float32") as stack:
+        outcomes, _ = asyncio.run(
+            dispatch_missing(chosen, stack.gateway_url, stack.admin_token, store, dispatch)
+        )
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for outcome in sorted(outcomes, key=lambda o: o.execution_id):
+        rewards[outcome.problem_id].append(outcome.reward or 0.0)
+    passed = sum(r == 1.0 for values in rewards.values() for r in values)
+    executions = sum(len(values) for values in rewards.values())
+    by_size = {}
+    for k in range(2, group_size + 1, 2):
+        mixed, fraction = mixed_fraction(rewards, k)
+        by_size[str(k)] = {"groups_mixed": mixed, "fraction_mixed": round(fraction, 3)}
+    return {
+        "temperature": temperature,
+        "executions": executions,
+        "pass_rate": round(passed / max(executions, 1), 3),
+        "by_group_size": by_size,
+        "minutes": round((time.monotonic() - started) / 60, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/learn.toml", help="the rollout settings and policy")
+    parser.add_argument("--problems", type=int, default=12)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--temperatures", default="1.0,1.3,1.6")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    config = CampaignConfig.from_toml(args.config)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gyre-signal-") as root:
+        for temperature in [float(t) for t in args.temperatures.split(",")]:
+            results.append(measure(config, args.problems, args.group_size, temperature, root))
+            print(json.dumps(results[-1]), flush=True)
+    print(
+        f"{'temperature':>11} {'pass rate':>9} "
+        + " ".join(f"{'mixed G=' + k:>10}" for k in results[0]["by_group_size"])
+    )
+    for row in results:
+        cells = " ".join(f"{v['fraction_mixed']:>10.3f}" for v in row["by_group_size"].values())
+        print(f"{row['temperature']:>11} {row['pass_rate']:>9.3f} {cells}")
+    figures = {
+        "config": args.config,
+        "policy": config.policy,
+        "validation_seed": VALIDATION_SEED,
+        "problems": args.problems,
+        "group_size": args.group_size,
+        "rows": results,
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(figures, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
