@@ -17,7 +17,6 @@ learn from, only in when), and the steps' figures.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import shutil
@@ -37,7 +36,7 @@ from scheduler.controller import Controller, RunReport, StepWork
 from scheduler.policy import make_policy
 from sim.calibrate import Execution, MeasuredRun, calibrate, predict
 from tasks.campaign import problems_for
-from tasks.schedule import CampaignRuntime, cell_pool
+from tasks.schedule import CampaignRuntime, cell_pool, run_controller
 from tasks.services import Services, serve_version
 from tasks.stack import local_stack
 from trajectory_store.config import PackingConfig, SelectionConfig
@@ -157,7 +156,7 @@ class RealBench:
             make_policy(policy, **params), self.pool, runtime, sessions_per_cell=SESSIONS_PER_CELL
         )
         try:
-            report = asyncio.run(controller.run(work.steps_work(), start_version=0))
+            report = run_controller(controller, runtime, work.steps_work())
         finally:
             runtime.close()
         figures = report.figures()

@@ -1,6 +1,7 @@
 """`python -m bench.signal`: how much GRPO signal the shipped warm start gives, per sampling
-temperature and group size, on validation problems (generator seed 1000: neither the held-out
-problems of `gyre bench learn`, seed 0, nor its training problems, seed 5000 + step).
+temperature and group size, on validation problems (generator seed 20000: neither the held-out
+problems of `gyre bench learn`, seed 0, nor the warm start's demonstrations, seeds 1000-1002, nor a
+campaign's training problems, seed 5000 + step).
 
 A group whose rewards are all equal has zero advantage everywhere and trains nothing; the fraction
 of groups with mixed rewards is the fraction of a step that teaches. For each temperature, the
@@ -9,9 +10,10 @@ settings of configs/learn.toml otherwise), and the figures are counted per group
 first k members of each group (k = 2, 4, ..., group_size), so one rollout answers every smaller size.
 
     python -m bench.signal [--problems 12] [--group-size 8] [--temperatures 1.0,1.3,1.6]
+                           [--suites repo,swe] [--difficulty 2]
 
-Figures go to bench/results/signal.json: per temperature, the pass rate over every execution and,
-per group size, the groups with mixed rewards and their fraction.
+Figures go to bench/results/signal.json: per temperature, the pass rate over every execution and
+per suite, the mean reward and, per group size, the groups with mixed rewards and their fraction.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tasks.campaign import problems_for
 from tasks.stack import local_stack
 from trajectory_store.storage import StoreConfig
 
-VALIDATION_SEED = 1000
+VALIDATION_SEED = 20000
 DEFAULT_OUT = "bench/results/signal.json"
 
 
@@ -71,6 +73,10 @@ def measure(
         rewards[outcome.problem_id].append(outcome.reward or 0.0)
     passed = sum(r == 1.0 for values in rewards.values() for r in values)
     executions = sum(len(values) for values in rewards.values())
+    mean_reward = sum(r for values in rewards.values() for r in values) / max(executions, 1)
+    by_suite: dict[str, list[float]] = defaultdict(list)
+    for problem_id, values in rewards.items():
+        by_suite[problem_id.split("-")[0]].extend(values)
     by_size = {}
     for k in range(2, group_size + 1, 2):
         mixed, fraction = mixed_fraction(rewards, k)
@@ -79,6 +85,11 @@ def measure(
         "temperature": temperature,
         "executions": executions,
         "pass_rate": round(passed / max(executions, 1), 3),
+        "mean_reward": round(mean_reward, 3),
+        "pass_rate_by_suite": {
+            suite: round(sum(r == 1.0 for r in values) / len(values), 3)
+            for suite, values in sorted(by_suite.items())
+        },
         "by_group_size": by_size,
         "minutes": round((time.monotonic() - started) / 60, 2),
     }
@@ -90,9 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--problems", type=int, default=12)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--temperatures", default="1.0,1.3,1.6")
+    parser.add_argument("--suites", default=None, help="comma-separated (default: the config's)")
+    parser.add_argument("--difficulty", type=int, default=None, help="default: the config's")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     config = CampaignConfig.from_toml(args.config)
+    problems: dict = {}
+    if args.suites:
+        problems["suites"] = args.suites.split(",")
+    if args.difficulty:
+        problems["difficulty"] = args.difficulty
+    config = config.merged({"problems": problems})
     results = []
     with tempfile.TemporaryDirectory(prefix="gyre-signal-") as root:
         for temperature in [float(t) for t in args.temperatures.split(",")]:
@@ -108,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "config": args.config,
         "policy": config.policy,
+        "suites": list(config.problems.suites),
+        "difficulty": config.problems.difficulty,
         "validation_seed": VALIDATION_SEED,
         "problems": args.problems,
         "group_size": args.group_size,

@@ -57,7 +57,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ from environments.problems import GraderError, GradeResult, Problem, grade_works
 from environments.sandbox import Sandbox, release_mounts
 from environments.snapshot import UnsafeArchive
 from environments.snapshot_rows import sandbox_from_stored, store_workspace
+from environments.zygote import Zygote, ZygoteLost
 from trajectory_store.schema import RewardSource, Status
 from trajectory_store.snapshots import SnapshotStore
 from trajectory_store.storage import Store, StoreConfig, StoreError
@@ -132,6 +133,10 @@ class DispatchConfig:
     campaign: str | None = None
     """Record the executions in this campaign of the gateway's data root (None: the gateway's own);
     a held-out evaluation beside a training campaign uses one."""
+    harness_zygote: bool = True
+    """Start the built-in harness by forking a process that imported it once (environments/zygote.py):
+    the same process, session and environment as ``python -m environments.harness``, without its
+    ~1.2 s of CPU for imports per execution. False: a fresh interpreter per execution."""
     snapshot_completed: bool = False
     """Also store the final workspace of every completed execution (source 'final' in the snapshots
     dataset), so `gyre sql` can compare it with timed-out ones; timeouts are always snapshotted."""
@@ -347,6 +352,7 @@ async def dispatch(
     members: dict[str, list[int]] | None = None,
     on_outcome: Callable[[ExecutionOutcome], None] | None = None,
     ledger: StepLedger | None = None,
+    zygote: Zygote | None = None,
 ) -> list[ExecutionOutcome]:
     """Runs group_size executions of every problem; returns one outcome each (in problem order).
 
@@ -355,7 +361,8 @@ async def dispatch(
     called with each outcome as its execution finishes (progress). An execution id the gateway has
     already finished (409) starts nothing more: the executions already running end as usual, then
     the GatewayAdminError is raised. ``ledger``: what the store holds of the step (read when None),
-    which picks each member's attempt id."""
+    which picks each member's attempt id. ``zygote``: a warm harness launcher the caller keeps
+    between batches (a scheduler dispatches one execution at a time); None: one for this batch."""
     config = config or DispatchConfig()
     if config.workspace_root:
         root = config.workspace_root
@@ -365,7 +372,7 @@ async def dispatch(
         _own(root)
     Path(root).mkdir(parents=True, exist_ok=True)
     semaphore = asyncio.Semaphore(config.concurrency)
-    runner = _Runner(Store(store), config, root, ledger or step_ledger(store, config.step))
+    runner = _Runner(Store(store), config, root, ledger or step_ledger(store, config.step), zygote)
     refused: list[GatewayAdminError] = []
     try:
         async with httpx.AsyncClient() as client:
@@ -393,6 +400,7 @@ async def dispatch(
                 raise refused[0]
             return [o for o in outcomes if o is not None]
     finally:
+        await runner.close()
         if not config.keep_workspaces:
             shutil.rmtree(runner.side_root, ignore_errors=True)
         if not config.workspace_root and not config.keep_workspaces:
@@ -512,7 +520,14 @@ async def dispatch_missing(
 
 
 class _Runner:
-    def __init__(self, store: Store, config: DispatchConfig, root: str, ledger: StepLedger):
+    def __init__(
+        self,
+        store: Store,
+        config: DispatchConfig,
+        root: str,
+        ledger: StepLedger,
+        zygote: Zygote | None = None,
+    ):
         self.store, self.config, self.root, self.ledger = store, config, Path(root), ledger
         self.token = secrets.token_hex(16)  # this dispatcher's attempts (RegisterExecution.attempt)
         self.snapshots = SnapshotStore(store)  # one blob index for the whole batch: a group shares files
@@ -520,6 +535,17 @@ class _Runner:
         # harness inputs and outputs live apart from the workspaces, where no command can see them
         self.side_root = Path(tempfile.mkdtemp(prefix="gyre-harness-"))
         _own(self.side_root)
+        self.zygote = zygote  # the built-in harness's warm launcher, started when first used
+        self.own_zygote = zygote is None
+
+    def _zygote(self) -> Zygote:
+        if self.zygote is None:
+            self.zygote = Zygote(builtin_harness_env())
+        return self.zygote
+
+    async def close(self) -> None:
+        if self.zygote is not None and self.own_zygote:
+            await self.zygote.close()
 
     async def run(self, admin: GatewayAdmin, problem: Problem, member: int) -> ExecutionOutcome:
         config = self.config
@@ -626,19 +652,30 @@ class _Runner:
         result_path = side / "result.json"
         argv, env = self._command(execution_id, registration, sandbox.workspace, side, outcome)
         log_path = side / "harness.log"
-        with open(log_path, "wb") as log_file:
-            process = await asyncio.create_subprocess_exec(
-                *argv, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
-            )
-            _record_harness(self.side_root, process.pid)  # its own group: pgid == pid
-            try:
-                returncode = await asyncio.wait_for(process.wait(), config.timeout_s)
-                timed_out = False
-            except TimeoutError:
-                _kill_group(process.pid)
-                await process.wait()
-                returncode, timed_out = None, True
-            _forget_harness(self.side_root, process.pid)
+        if config.harness_command is None and config.harness_zygote:
+            pid = await self._zygote().spawn(argv[3:], env, str(log_path))  # argv[3:]: after -m module
+
+            def waited() -> Awaitable[int]:
+                return self.zygote.wait(pid)
+        else:
+            with open(log_path, "wb") as log_file:
+                process = await asyncio.create_subprocess_exec(
+                    *argv, stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
+                )
+            pid, waited = process.pid, process.wait
+        _record_harness(self.side_root, pid)  # its own group: pgid == pid
+        try:
+            returncode = await asyncio.wait_for(waited(), config.timeout_s)
+            timed_out = False
+        except TimeoutError:
+            _kill_group(pid)
+            await waited()
+            returncode, timed_out = None, True
+        except ZygoteLost:
+            _kill_group(pid)  # orphaned with its zygote: it must not go on calling the gateway
+            raise
+        finally:
+            _forget_harness(self.side_root, pid)
         _read_progress(result_path, outcome)
         if timed_out:
             outcome.status = "timeout"
@@ -665,8 +702,8 @@ class _Runner:
             "OPENAI_API_KEY": registration["api_key"],
         }
         if config.harness_command is None:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # ours only: an external
-            # harness keeps its own environment (gyre's path would shadow a harness in another venv)
+            env.update(builtin_harness_env())  # gyre's path for ours only: an external harness keeps
+            # its own environment (gyre's path would shadow a harness in another venv)
             harness = config.harness
             turns = config.durations.turns(outcome.member_id or execution_id)
             outcome.turn_budget = turns
@@ -753,6 +790,16 @@ class _Runner:
         key = self.store.path("logs", f"{execution_id}.log")
         self.store.write_bytes(key, log_path.read_bytes())
         return self.store.url(key)
+
+
+def builtin_harness_env() -> dict[str, str]:
+    """What the built-in harness's processes (and their zygote) need beyond an execution's own
+    variables: a PATH, a locale and gyre's module path."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
 
 
 def _kill_group(pid: int) -> None:

@@ -34,8 +34,16 @@ from pydantic import BaseModel, Field
 from engines.train.config import TrainerConfig
 from engines.train.run import TrainStepRequest
 from engines.train.stream import StreamProducer, write_chunk
-from environments.dispatch import DispatchConfig, StepLedger, dispatch, group_id_for, step_ledger
+from environments.dispatch import (
+    DispatchConfig,
+    StepLedger,
+    builtin_harness_env,
+    dispatch,
+    group_id_for,
+    step_ledger,
+)
 from environments.problems import Problem
+from environments.zygote import Zygote
 from scheduler.cells import Admin, CellPool, CellSpec
 from scheduler.controller import Chunk, Controller, Outcome, StepWork
 from scheduler.policy import make_policy
@@ -163,12 +171,15 @@ class CampaignRuntime:
         self.trainer_threads, self.seed = trainer_threads, seed
         self.core: CoreService | None = None
         self.ledgers: dict[int, StepLedger] = {}
+        self.zygote: Zygote | None = None  # one warm harness launcher for every execution it dispatches
 
     async def execute(self, step: int, problem: dict[str, Any], member: int) -> Outcome:
         chosen = Problem.from_json(problem)
         config = replace(self.config, step=step, campaign=self.store.campaign)
         if step not in self.ledgers:  # read once a step: this process dispatches each member once
             self.ledgers[step] = step_ledger(self.store, step)
+        if self.zygote is None:
+            self.zygote = Zygote(builtin_harness_env())
         outcomes = await dispatch(
             [chosen],
             self.services.gateway_url,
@@ -177,6 +188,7 @@ class CampaignRuntime:
             config,
             {chosen.problem_id: [member]},
             ledger=self.ledgers[step],
+            zygote=self.zygote,
         )
         o = outcomes[0]
         return Outcome(o.execution_id, o.group_id, o.status, float(o.reward or 0.0))
@@ -220,6 +232,12 @@ class CampaignRuntime:
             stream=True,
         )
         return self.core.step(request)
+
+    async def aclose(self) -> None:
+        """Ends what lives in the event loop (the harness zygote); call before the loop ends."""
+        if self.zygote is not None:
+            await self.zygote.close()
+            self.zygote = None
 
     def close(self) -> None:
         if self.core is not None:
@@ -282,6 +300,21 @@ class ScheduleJob(BaseModel):
         plain["services"]["admin_token"] = self.services.admin_token.get_secret_value()
         plain["services"]["engine_admin_token"] = self.services.engine_admin_token.get_secret_value()
         return json.dumps(plain)
+
+
+def run_controller(
+    controller: Controller, runtime: CampaignRuntime, work: list[StepWork], start_version: int = 0
+):
+    """``controller.run`` in an event loop of its own; what the runtime keeps in that loop (the
+    harness zygote) ends with it. Returns the controller's RunReport."""
+
+    async def run():
+        try:
+            return await controller.run(work, start_version=start_version)
+        finally:
+            await runtime.aclose()
+
+    return asyncio.run(run())
 
 
 def write_switch_metrics(store: StoreConfig, step: int, switches: list) -> None:
@@ -399,8 +432,9 @@ def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
         on_step=commit,
         on_tick=lambda summary: heartbeat(json.dumps({"heartbeat": {**summary, "wall": time.time()}})),
     )
+
     try:
-        report = asyncio.run(controller.run(work, start_version=job.start))
+        report = run_controller(controller, runtime, work, job.start)
     finally:
         runtime.close()
         pool.close()

@@ -127,3 +127,68 @@ def test_eager_attention_with_a_float_mask_matches_sdpa(tmp_path):
             a = target_logprobs(sdpa, sequence).logprobs
             b = target_logprobs(eager, sequence).logprobs
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefixes_pack_fewer_tokens_with_the_same_paths_and_gradient(tmp_path):
+    """Two groups whose executions start with the same system prompt (and, within a group, the same
+    instruction): sharing places the common context once per sequence, every selected path still
+    rebuilds exactly, the layout stays in preorder (the block kernel checks it), and the gradient
+    equals the one of the packing without sharing."""
+    from tests.test_trees import record
+    from trajectory_store.config import PackingConfig, SelectionConfig
+    from trajectory_store.db import connect
+    from trajectory_store.processor import pack, path_to
+
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 60, 40).astype(np.int32)
+    executions, rewards = {}, {}
+    for group in range(2):
+        instruction = rng.integers(0, 60, 12).astype(np.int32)
+        for member in range(3):
+            execution_id = f"g{group}-m{member}"
+            prompt = np.concatenate([system, instruction]).astype(np.int32)
+            calls = []
+            for call_id in range(2):
+                output = rng.integers(0, 60, 6).astype(np.int32)
+                calls.append(
+                    {
+                        "execution_id": execution_id,
+                        "call_id": call_id,
+                        "agent_id": "main",
+                        "role": "main",
+                        "prompt_ids": prompt,
+                        "output_ids": output,
+                        "output_logprobs": np.full(6, -0.7, np.float32),
+                        "policy_version": 0,
+                    }
+                )
+                prompt = np.concatenate([prompt, output, rng.integers(0, 60, 4)]).astype(np.int32)
+            executions[execution_id] = calls
+            rewards[execution_id] = float(member % 2)
+    store = record(tmp_path, executions, rewards)
+    con = connect(store, SelectionConfig(j_max=5))
+    plain = pack(con, PackingConfig(token_budget=4096, share_prefixes=False))
+    shared = pack(con, PackingConfig(token_budget=4096))
+    # each group's later members share the whole first prompt, the second group's first member the system prompt
+    assert shared.n_shared_tokens == 2 * 2 * 52 + 40
+    assert shared.n_tokens == plain.n_tokens - shared.n_shared_tokens
+    assert shared.n_target_tokens == plain.n_target_tokens
+
+    def paths(batch):
+        return {(e, t): path_to(s, i).tolist() for s in batch.sequences for e, t, i in s.leaves}
+
+    assert paths(shared) == paths(plain)
+    from engines.train.tree_attention import subtree_sizes
+
+    for sequence in shared.sequences:
+        subtree_sizes(sequence.parent_index)  # raises if a subtree is not contiguous
+
+    def gradient(batch):
+        worker = GradWorker(tiny_model(2), LossConfig())
+        for index, sequence in enumerate(batch.sequences):
+            worker.accumulate(sequence, len(batch.advantages), index, version=0)
+        return worker.grad
+
+    reference, got = gradient(plain), gradient(shared)
+    assert reference.norm() > 0
+    assert (got - reference).norm() / reference.norm() <= 1e-5

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engines.train.tree_attention import subtree_sizes
 from tests.trees import Trie, random_execution
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
@@ -181,6 +182,7 @@ def test_packing_recovers_every_selected_trajectory(tmp_path, spec, budget_slack
     for sequence in batch.sequences:
         assert len(sequence) <= budget
         assert np.all(sequence.parent_index < np.arange(len(sequence)))  # parents come first
+        subtree_sizes(sequence.parent_index)  # preorder, shared prefixes too: raises if a subtree is split
         # position ids are depths: a root is at 0 and each token sits one below its parent
         roots = sequence.parent_index < 0
         assert np.all(sequence.position_ids[roots] == 0)
@@ -204,7 +206,7 @@ def test_packing_recovers_every_selected_trajectory(tmp_path, spec, budget_slack
             advantage = batch.advantages[execution_id]
             assert np.allclose(sequence.advantages[mine & sequence.loss_mask], advantage)
     assert all(abs(total - 1.0) < 1e-5 for total in totals.values())
-    assert batch.n_tokens == batch.n_unique_tokens + batch.n_repeated_tokens
+    assert batch.n_tokens == batch.n_unique_tokens + batch.n_repeated_tokens - batch.n_shared_tokens
 
 
 def test_split_trees_repeat_ancestors_as_context_only(tmp_path):

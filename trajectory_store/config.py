@@ -61,3 +61,9 @@ class PackingConfig(BaseModel):
         "rloo = r - mean of the others in the group",
     )
     advantage_eps: float = Field(1e-6, gt=0, description="added to the group std (grpo)")
+    share_prefixes: bool = Field(
+        True,
+        description="a tree whose first context run starts like the previous tree's in the same sequence "
+        "(the system prompt and tools; a group's whole first prompt) is attached to that run's tokens "
+        "instead of repeating them: the same targets, logprobs and gradients, fewer tokens to compute",
+    )

@@ -53,6 +53,7 @@ class PackedBatch:
     n_unique_tokens: int = 0  # tokens of the training trees
     n_target_tokens: int = 0
     n_repeated_tokens: int = 0  # ancestors repeated because a tree was split
+    n_shared_tokens: int = 0  # context tokens not placed again: a root's prefix shared with the root before
     skipped: dict[str, str] = field(default_factory=dict)  # execution_id -> why it is not trained
 
 
@@ -115,6 +116,32 @@ class _SequenceBuilder:
         self.executions: list[str] = []
         self.leaves: list[tuple[str, int, int]] = []
         self.placed: dict[tuple[str, int], int] = {}  # (execution, node index) -> index of its last token
+        # the last root placed: its tokens and where each sits. Everything placed since is in its
+        # subtree (preorder), so a new root may branch off any of its tokens and stay in preorder
+        self.last_root: tuple[np.ndarray, np.ndarray] | None = None
+
+    def add_root(self, tree: _Tree, node: int, share: bool) -> tuple[int, int]:
+        """Places a root node; a context root shares its longest common prefix with the last root.
+        Returns (index of its last token, tokens shared)."""
+        start, n = int(tree.starts[node]), int(tree.lengths[node])
+        tokens = tree.tokens[start : start + n]
+        shared, parent_at = 0, -1
+        if share and self.last_root is not None and not tree.policy[node]:
+            last_tokens, last_at = self.last_root
+            m = min(n, len(last_tokens))
+            differs = np.flatnonzero(last_tokens[:m] != tokens[:m])
+            shared = int(differs[0]) if len(differs) else m
+            if shared:
+                parent_at = int(last_at[shared - 1])
+        first = self.length
+        end = self.add_node(tree, node, parent_at, targets=True, weight=0.0, advantage=0.0, skip=shared)
+        if tree.policy[node]:
+            self.last_root = None  # never shared: a policy token is a target of its own execution
+        else:
+            here = np.arange(first, first + n - shared, dtype=np.int64)
+            earlier = self.last_root[1][:shared] if shared else np.zeros(0, np.int64)
+            self.last_root = (tokens, np.concatenate([earlier, here]))
+        return end, shared
 
     def execution_slot(self, execution_id: str) -> int:
         if not self.executions or self.executions[-1] != execution_id:
@@ -122,16 +149,27 @@ class _SequenceBuilder:
         return len(self.executions) - 1
 
     def add_node(
-        self, tree: _Tree, node: int, parent_at: int, targets: bool, weight: float, advantage: float
+        self,
+        tree: _Tree,
+        node: int,
+        parent_at: int,
+        targets: bool,
+        weight: float,
+        advantage: float,
+        skip: int = 0,
     ) -> int:
-        n = int(tree.lengths[node])
-        start = int(tree.starts[node])
+        """Places the node's tokens after its first ``skip`` (already in the sequence, ending at
+        ``parent_at``); returns the index of its last token."""
+        n = int(tree.lengths[node]) - skip
+        start = int(tree.starts[node]) + skip
+        if n == 0:
+            self.placed[(tree.execution_id, node)] = parent_at
+            return parent_at
         first = self.length
         policy = bool(tree.policy[node]) and targets
         self.pieces["token_ids"].append(tree.tokens[start : start + n])
-        self.pieces["position_ids"].append(
-            np.arange(tree.depths[node], tree.depths[node] + n, dtype=np.int32)
-        )
+        depth = int(tree.depths[node]) + skip
+        self.pieces["position_ids"].append(np.arange(depth, depth + n, dtype=np.int32))
         parents = np.arange(first - 1, first + n - 1, dtype=np.int32)
         parents[0] = parent_at
         self.pieces["parent_index"].append(parents)
@@ -264,7 +302,9 @@ def pack(
     leaves_by_execution: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for execution_id, trajectory_id, leaf in leaves:
         leaves_by_execution[execution_id].append((trajectory_id, leaf))
-    return _pack_trees(_trees(nodes), advantages, leaves_by_execution, packing.token_budget, skipped)
+    return _pack_trees(
+        _trees(nodes), advantages, leaves_by_execution, packing.token_budget, skipped, packing.share_prefixes
+    )
 
 
 def _pack_trees(
@@ -273,6 +313,7 @@ def _pack_trees(
     leaves: dict[str, list[tuple[int, int]]],
     budget: int,
     skipped: dict[str, str],
+    share: bool = False,
 ) -> PackedBatch:
     batch = PackedBatch(sequences=[], advantages=advantages, skipped=skipped)
     current = _SequenceBuilder()
@@ -313,8 +354,16 @@ def _pack_trees(
                 for ancestor in reversed(chain):
                     at = current.add_node(tree, ancestor, at, targets=False, weight=0.0, advantage=0.0)
                     batch.n_repeated_tokens += int(tree.lengths[ancestor])
-            parent_at = current.placed[(tree.execution_id, parent)] if parent >= 0 else -1
-            end = current.add_node(tree, node, parent_at, targets=True, weight=weight, advantage=advantage)
+            if parent < 0 and not tree.policy[node]:  # a context root: no weight or advantage to place
+                end, shared = current.add_root(tree, node, share)
+                batch.n_shared_tokens += shared
+            else:
+                parent_at = current.placed[(tree.execution_id, parent)] if parent >= 0 else -1
+                end = current.add_node(
+                    tree, node, parent_at, targets=True, weight=weight, advantage=advantage
+                )
+                if parent < 0:
+                    current.last_root = None
             if node in wanted:
                 current.leaves.append((tree.execution_id, wanted[node], end))
         batch.n_unique_tokens += tree.n_tokens

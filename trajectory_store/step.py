@@ -128,6 +128,7 @@ def step_batch(
         "executions_untrainable": float(sum(r.startswith("status") or r == "no reward" for r in skipped)),
         "tokens_trained": float(batch.n_target_tokens),
         "tokens_packed": float(batch.n_tokens),
+        "tokens_shared": float(batch.n_shared_tokens),  # context tokens packed once for several trees
         "sequences": float(len(batch.sequences)),
     }
     return batch, counts
