@@ -4,11 +4,14 @@ A local stack (one rollout engine process, the gateway) serves the policy (a fre
 --model is given); the dispatcher runs executions of the three suites with heavy-tailed turn budgets
 (most short, a fraction 10-50x longer) and a deadline that the long ones hit, so timeouts are graded
 from their workspace snapshots. The same problems are also run with concurrency 1 as the baseline for
-the dispatcher's concurrency. Then DuckDB reads the recorded trees.
+the dispatcher's concurrency, and once more with a fresh interpreter per harness instead of the
+zygote's forks (``harness_zygote = False``), for what the zygote saves; that run goes last, so the
+engine's prefix cache favours it, never the zygote. Then DuckDB reads the recorded trees.
 
 Figures (bench/results/rollout.json): executions_per_minute (and the sequential baseline and their
 ratio), calls, tokens as sent and unique (naive_over_unique_tokens), summaries / sub-agents /
-branches, timeouts_graded, sandbox_violations_blocked (refusals during the executions plus a fixed
+branches, executions_per_minute_fresh_interpreter and zygote_speedup, timeouts_graded,
+sandbox_violations_blocked (refusals during the executions plus a fixed
 set of escape probes run against the sandbox: every probe must be blocked).
 """
 
@@ -37,10 +40,13 @@ SIZES = {
 }
 
 
-def _dispatch_config(size: dict[str, Any], concurrency: int, step: int) -> DispatchConfig:
+def _dispatch_config(
+    size: dict[str, Any], concurrency: int, step: int, zygote: bool = True
+) -> DispatchConfig:
     return DispatchConfig(
         step=step,
         concurrency=concurrency,
+        harness_zygote=zygote,
         timeout_s=size["timeout_s"],
         durations=DurationProfile(short_turns=size["short_turns"], long_fraction=0.25),
         harness=HarnessConfig(max_tokens=96, context_budget_tokens=1200, summary_max_tokens=64),
@@ -102,6 +108,15 @@ def run(quick: bool, model: str | None = None) -> dict[str, Any]:
                 baseline, stack.gateway_url, stack.admin_token, store, _dispatch_config(size, 1, 1)
             )
             sequential_s = time.perf_counter() - started
+            started = time.perf_counter()
+            fresh = run_rollout(
+                problems,
+                stack.gateway_url,
+                stack.admin_token,
+                store,
+                _dispatch_config(size, size["concurrency"], 2, zygote=False),
+            )
+            fresh_s = time.perf_counter() - started
         con = connect(Store(store), SelectionConfig())
         main_run = [o.execution_id for o in outcomes]  # not the sequential baseline's (step 1)
         naive, unique, calls = con.execute(
@@ -119,6 +134,7 @@ def run(quick: bool, model: str | None = None) -> dict[str, Any]:
     summary = summarize_outcomes(outcomes)
     concurrent_rate = len(outcomes) / wall_s * 60
     sequential_rate = len(sequential) / sequential_s * 60
+    fresh_rate = len(fresh) / fresh_s * 60
     return {
         "quick": quick,
         "model": "fresh tiny (random init)" if model.startswith(tmp) else model,
@@ -129,6 +145,8 @@ def run(quick: bool, model: str | None = None) -> dict[str, Any]:
         "executions_per_minute": round(concurrent_rate, 2),
         "sequential_executions_per_minute": round(sequential_rate, 2),
         "concurrent_over_sequential": round(concurrent_rate / sequential_rate, 2),
+        "executions_per_minute_fresh_interpreter": round(fresh_rate, 2),
+        "zygote_speedup": round(concurrent_rate / fresh_rate, 2),
         "by_status": summary["by_status"],
         "mean_reward": round(summary["mean_reward"], 4),
         "pass_rate": round(summary["pass_rate"], 4),
@@ -160,6 +178,10 @@ def main(quick: bool = False, out: str = DEFAULT_OUT, model: str | None = None) 
         f"executions per minute          {figures['executions_per_minute']} at concurrency "
         f"{figures['concurrency']} vs {figures['sequential_executions_per_minute']} sequential "
         f"({figures['concurrent_over_sequential']}x)"
+    )
+    print(
+        f"with a fresh interpreter each  {figures['executions_per_minute_fresh_interpreter']} per minute "
+        f"(the zygote's forks: {figures['zygote_speedup']}x)"
     )
     print(f"calls                          {figures['calls']} {figures['calls_by_role']}")
     print(

@@ -237,6 +237,7 @@ def _batch_figures(batch: PackedBatch) -> dict[str, int]:
         "tokens": batch.n_tokens,
         "targets": batch.n_target_tokens,
         "repeated_tokens": batch.n_repeated_tokens,
+        "shared_tokens": batch.n_shared_tokens,  # a root's prefix packed once for several trees
     }
 
 
