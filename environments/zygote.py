@@ -191,6 +191,7 @@ class Zygote:
             for future in [*self.spawning.values(), *self.exits.values()]:
                 if not future.done():
                     future.set_exception(lost)
+                    future.exception()  # retrieved: only a waiter, if there is one, needs to see it
             self.spawning.clear()
 
     async def spawn(self, argv: list[str], env: dict[str, str], log_path: str) -> int:
