@@ -12,7 +12,8 @@ Figures (bench/results/learn.json): minutes, steps, executions, pass_rate_before
 mean_reward_before / mean_reward_after, pass_rate_gain and its paired 95% interval over the held-out
 problems (pass_rate_gain_ci95_low / _high: a bootstrap of the per-problem differences, 10,000
 resamples, seeded), tokens_trained, naive_over_unique_tokens, and the curves (held-out pass rate per
-evaluated version, training reward and pass rate per step).
+evaluated version, training reward and pass rate per step). `--validation` evaluates on validation
+problems (generator seed 20000) instead, to choose a recipe without looking at the held-out set.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import tempfile
 import time
 from typing import Any
 
+from bench.signal import VALIDATION_SEED  # neither held-out (0), demonstrations (1000+) nor training (5000+)
 from flows.campaign import campaign, campaign_store
 from flows.config import CampaignConfig
 from tasks.campaign import committed_evaluations
@@ -109,22 +111,31 @@ def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> di
     }
 
 
-def run(quick: bool, config_path: str | None = None, data_root: str | None = None) -> dict[str, Any]:
+def run(
+    quick: bool, config_path: str | None = None, data_root: str | None = None, validation: bool = False
+) -> dict[str, Any]:
     path = config_path or CONFIGS[quick]
     config = CampaignConfig.from_toml(path)
+    if validation:
+        config = config.merged({"evaluation": {"seed": VALIDATION_SEED}})
     with tempfile.TemporaryDirectory(prefix="gyre-learn-") as tmp:
         config.store.data_root = data_root or os.path.join(tmp, "data")
         started = time.perf_counter()
         records = campaign(config)
         figures = figures_of(config, records, (time.perf_counter() - started) / 60)
     figures["config"] = path
+    figures["evaluation_seed"] = config.evaluation.seed
     return figures
 
 
 def main(
-    quick: bool = False, out: str = DEFAULT_OUT, config: str | None = None, data_root: str | None = None
+    quick: bool = False,
+    out: str = DEFAULT_OUT,
+    config: str | None = None,
+    data_root: str | None = None,
+    validation: bool = False,
 ) -> int:
-    figures = run(quick, config, data_root)
+    figures = run(quick, config, data_root, validation)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as handle:
         json.dump(figures, handle, indent=1)
@@ -144,9 +155,15 @@ def main(
     print(
         f"tokens trained            {figures['tokens_trained']} (sent / unique {figures['naive_over_unique_tokens']}x)"
     )
+    if validation:
+        print(f'  ("held-out" here: validation problems, generator seed {figures["evaluation_seed"]})')
     for version, point in figures["curve_held_out"].items():
         print(
             f"  version {version:>3}: held-out pass rate {point['pass_rate']}, reward {point['mean_reward']}"
         )
+    print(
+        "training reward by step  "
+        + " ".join(f"{point['mean_reward']:.2f}" for point in figures["curve_train"])
+    )
     print(f"wrote {out}")
     return 0

@@ -7,7 +7,7 @@ gyre down                                   stops what `gyre up` started, nothin
 gyre run [--config configs/demo.toml]       up + the campaign (progress on stderr) + a summary
 gyre deploy [--file deployments/prefect.yaml]   the scheduled campaigns, on the server
 gyre worker [--pool gyre]                   a process worker that runs them
-gyre bench learn [--quick]                  does the campaign teach the policy (held-out, paired)
+gyre bench learn [--quick] [--validation]   does the campaign teach the policy (held-out, paired)
 gyre bench ui [--out bench/results/ui.png]  a screenshot of a campaign in the Prefect UI
 """
 
@@ -81,6 +81,12 @@ def add_campaign_parsers(commands, bench_commands) -> None:
         default=None,
         help="keep the campaign's data here (default: a temporary folder, removed)",
     )
+    learn.add_argument(
+        "--validation",
+        action="store_true",
+        help="evaluate on validation problems (generator seed 20000) instead of the held-out ones: "
+        "choose a recipe here, never on the held-out set",
+    )
     ui = bench_commands.add_parser(
         "ui", help="a screenshot of a campaign in the Prefect UI (headless chromium)"
     )
@@ -150,7 +156,13 @@ def run_campaign_command(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "learn":
         from bench.learn import main as bench_learn
 
-        return bench_learn(quick=args.quick, out=args.out, config=args.config, data_root=args.data_root)
+        return bench_learn(
+            quick=args.quick,
+            out=args.out,
+            config=args.config,
+            data_root=args.data_root,
+            validation=args.validation,
+        )
     if args.command == "bench" and args.bench_command == "ui":
         from bench.ui import main as bench_ui
 

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.artifacts import update_progress_artifact
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch_missing
 from environments.harness import HarnessConfig
@@ -78,6 +78,23 @@ class ProblemsConfig(BaseModel):
         "then skip those left; or keep them (advantage 0, they count in the loss's average)",
     )
     top_up_rounds: int = Field(1, ge=0)
+    pool: int = Field(
+        0,
+        ge=0,
+        description="0: every step draws fresh problems (generator seed seed + n); N > 0: a fixed pool of "
+        "N problems from generator seed seed, which the steps go through in turn, per_step at a time (epochs "
+        "over a dataset; with pool = per_step, every step trains on the same problems)",
+    )
+
+    @model_validator(mode="after")
+    def _pool_holds_a_step(self) -> ProblemsConfig:
+        rounds = 1 + (self.top_up_rounds if self.zero_signal == "top_up" else 0)
+        if self.pool and self.pool < self.per_step * rounds:
+            raise ValueError(
+                f"problems.pool = {self.pool} is smaller than one step's problems ({self.per_step} per round x "
+                f"{rounds} round(s)): a step would run the same problem twice"
+            )
+        return self
 
 
 class EvaluationConfig(BaseModel):
@@ -120,6 +137,10 @@ def problems_for(
 
 @task(name="choose-problems", task_run_name="choose problems step {step} round {round}")
 def choose_problems(config: ProblemsConfig, step: int, round: int = 0) -> list[dict[str, Any]]:
+    if config.pool:
+        pool = problems_for(list(config.suites), config.pool, config.seed, config.difficulty, config.length)
+        start = step * config.per_step + round * config.per_step
+        return [pool[(start + i) % config.pool].to_json() for i in range(config.per_step)]
     chosen = problems_for(
         list(config.suites),
         config.per_step,

@@ -120,6 +120,21 @@ def test_step_problems_are_deterministic_and_apart_from_the_held_out_ones():
     assert not held_out & set(a)
 
 
+def test_a_problem_pool_is_gone_through_in_turn_and_must_hold_a_step():
+    from tasks.campaign import ProblemsConfig, choose_problems
+
+    config = ProblemsConfig(suites=["repo", "terminal"], per_step=2, pool=3, seed=5000)
+    pool = [p.problem_id for p in problems_for(["repo", "terminal"], 3, 5000, 1, 1)]
+    steps = [[p["problem_id"] for p in choose_problems.fn(config, step)] for step in range(3)]
+    assert steps == [pool[0:2], [pool[2], pool[0]], pool[1:3]]  # epochs over the pool, in turn
+    same = ProblemsConfig(suites=["repo"], per_step=2, pool=2)
+    assert choose_problems.fn(same, 0) == choose_problems.fn(same, 7)  # pool = per_step: every step the same
+    fresh = ProblemsConfig(suites=["repo"], per_step=2)
+    assert choose_problems.fn(fresh, 0) != choose_problems.fn(fresh, 1)  # no pool: fresh problems per step
+    with pytest.raises(ValueError, match="pool = 3 is smaller than one step's problems"):
+        ProblemsConfig(per_step=2, pool=3, zero_signal="top_up", top_up_rounds=1)
+
+
 def test_step_batch_leaves_out_zero_signal_groups_and_stale_executions(store_config):
     from trajectory_store.config import PackingConfig
     from trajectory_store.recorder import Recorder
