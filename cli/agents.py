@@ -90,6 +90,18 @@ def add_sft_parser(model_commands) -> None:
         "(0 for a pretrained policy)",
     )
     sft.add_argument("--difficulty", type=int, default=1, help="difficulty of the generated problems")
+    sft.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="demonstrations come from generator seeds 1000 + 10 * seed + suite index (and the shuffle)",
+    )
+    sft.add_argument(
+        "--eval-seed",
+        type=int,
+        default=0,
+        help="generator seed of the before/after problems (0: the campaigns' held-out set; 20000: validation)",
+    )
     sft.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
     sft.add_argument("--report", default=None, help="also write the report as JSON here")
 
@@ -238,6 +250,8 @@ def run_sft_command(args: argparse.Namespace) -> int:
         copy_steps=args.copy_steps,
         difficulty=args.difficulty,
         evaluate=not args.no_eval,
+        seed=args.seed,
+        eval_seed=args.eval_seed,
     )
     training = report["training"]
     if "copy" in training:

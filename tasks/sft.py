@@ -72,6 +72,7 @@ def sft_model(
     difficulty: int = 1,
     evaluate: bool = True,
     seed: int = 0,
+    eval_seed: int = 0,
     log=print,
 ) -> dict[str, Any]:
     from engines.train.sft import SFTConfig, train_sft  # torch: only when asked for
@@ -91,13 +92,15 @@ def sft_model(
     log(f"{len(demos)} demonstrations from {', '.join(suites)} (difficulty {difficulty})")
     report: dict[str, Any] = {"model": model_dir, "out": out, "suites": suites}
     if evaluate:
-        report["before"] = evaluate_policy(model_dir, suites, eval_problems, seed=seed, difficulty=difficulty)
+        report["before"] = evaluate_policy(
+            model_dir, suites, eval_problems, seed=eval_seed, difficulty=difficulty
+        )
         log(f"before SFT: {_line(report['before']['overall'])}")
     config = SFTConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed, copy_steps=copy_steps)
     instructions = [p.instruction for p in problems]
     report["training"] = train_sft(model_dir, demos, out, config, log=log, copy_texts=instructions)
     if evaluate:
-        report["after"] = evaluate_policy(out, suites, eval_problems, seed=seed, difficulty=difficulty)
+        report["after"] = evaluate_policy(out, suites, eval_problems, seed=eval_seed, difficulty=difficulty)
         log(f"after SFT:  {_line(report['after']['overall'])}")
     report["total_s"] = time.perf_counter() - started
     return report

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from engines.model.weights import read_weights
+from engines.model.loading import load_tokenizer
+from engines.model.weights import load_model, read_weights
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from tests.train_fixtures import tiny_model
 
 pytestmark = pytest.mark.slow
+
+SHIPPED = str(Path(__file__).resolve().parents[1] / "data" / "policies" / "tiny-sft")
 
 
 def gradient(core: CoreTrainer, seed: int) -> torch.Tensor:
@@ -55,3 +61,22 @@ def test_published_policy_is_versioned(tmp_path):
         torch.testing.assert_close(model.state_dict()[name], value)
     with pytest.raises(ValueError, match="holds policy version 1, expected 2"):
         read_weights(published.uri, expected_version=2)
+
+
+def test_a_published_version_carries_its_tokenizer(tmp_path):
+    """A version folder loads on its own: weights, config and the starting policy's tokenizer."""
+    core = CoreTrainer(tiny_model(5), TrainerConfig(zero_stage=0))
+    core.apply(gradient(core, 2))
+    core.publish(str(tmp_path / "store"), fast_dir=str(tmp_path / "fast"), tokenizer_from=SHIPPED)
+    folder = tmp_path / "store" / "policy" / "v1"
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {
+        p.name for p in folder.iterdir()
+    }
+    text = "Rename logs/plan.log to backup/plan.log."
+    assert load_tokenizer(folder).encode(text) == load_tokenizer(SHIPPED).encode(text)
+    assert json.loads((folder / "config.json").read_text()) == json.loads(
+        core.engine.module.config.to_json_string()
+    )
+    loaded = load_model(str(folder), dtype="float32")
+    for name, value in core.weights().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value)

@@ -13,6 +13,7 @@ seconds, and it fails without a compiler); the core never uses that op, so it is
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ from pathlib import Path
 import fsspec
 import torch
 
+from engines.model.storage import TOKENIZER_FILE_PATTERNS, fetch_folder
 from engines.model.weights import save_weights
 from engines.train.config import TrainerConfig
 from engines.train.worker import GradWorker
@@ -177,8 +179,14 @@ class CoreTrainer:
             self.engine.load_checkpoint(str(local / "deepspeed"), tag=f"step{state['step']}")
         self.step, self.version = state["step"], state["version"]
 
-    def publish(self, store_root: str, fast_dir: str | None = None) -> PublishedPolicy:
-        """Writes the current weights as policy version ``self.version`` (idempotent per version)."""
+    def publish(
+        self, store_root: str, fast_dir: str | None = None, *, tokenizer_from: str | None = None
+    ) -> PublishedPolicy:
+        """Writes the current weights as policy version ``self.version`` (idempotent per version).
+
+        With ``tokenizer_from`` (a model folder or URL, e.g. the campaign's starting policy), its
+        tokenizer files are copied beside the weights, so the version folder serves on its own
+        (``gyre model eval --model <campaign>/policy/v<n>``); config.json is written last either way."""
         fast_dir = fast_dir or default_fast_dir()
         local = os.path.join(fast_dir, f"policy-v{self.version}.safetensors")
         save_weights(self.engine.module.state_dict(), local, self.version)
@@ -186,6 +194,12 @@ class CoreTrainer:
         remote = f"{root.rstrip('/')}/policy/v{self.version}"
         fs.makedirs(remote, exist_ok=True)
         fs.put_file(local, f"{remote}/model.safetensors")
+        if tokenizer_from is not None:
+            source = fetch_folder(tokenizer_from, patterns=TOKENIZER_FILE_PATTERNS)
+            for path in sorted(source.iterdir()):
+                wanted = any(fnmatch.fnmatchcase(path.name, p) for p in TOKENIZER_FILE_PATTERNS)
+                if wanted and path.name != "config.json" and path.is_file():
+                    fs.put_file(str(path), f"{remote}/{path.name}")
         fs.pipe_file(f"{remote}/config.json", self.engine.module.config.to_json_string().encode())
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         uri = (

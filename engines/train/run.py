@@ -164,7 +164,7 @@ def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[Trai
         fs.rm(root, recursive=True)
     core.save_checkpoint(request.checkpoint_url)
     _save_rng(request.checkpoint_url)
-    published = core.publish(request.policy_root, request.fast_dir)
+    published = core.publish(request.policy_root, request.fast_dir, tokenizer_from=request.init_model)
     return TrainStepReport(
         step=request.step,
         version=core.version,
