@@ -68,7 +68,7 @@ def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
-def _is_model_file(name: str, patterns: tuple[str, ...] = MODEL_FILE_PATTERNS) -> bool:
+def is_model_file(name: str, patterns: tuple[str, ...] = MODEL_FILE_PATTERNS) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
@@ -111,7 +111,7 @@ def publish_folder(
     if force:
         for path in _existing_files(fs, root):
             name = posixpath.relpath(path, root)
-            if "/" not in name and name not in names and _is_model_file(name):
+            if "/" not in name and name not in names and is_model_file(name):
                 fs.rm_file(path)
     if isinstance(fs, LocalFileSystem):
         fs.makedirs(root, exist_ok=True)
@@ -139,7 +139,7 @@ def fetch_folder(
     entries = {
         posixpath.relpath(path, root): info
         for path, info in listing.items()
-        if info.get("type", "file") == "file" and _is_model_file(posixpath.relpath(path, root), patterns)
+        if info.get("type", "file") == "file" and is_model_file(posixpath.relpath(path, root), patterns)
     }
     if not any(name in entries for name in ("config.json", "tokenizer.json")):
         raise FileNotFoundError(f"no model or tokenizer at {url} (no config.json or tokenizer.json there)")

@@ -13,7 +13,6 @@ seconds, and it fails without a compiler); the core never uses that op, so it is
 from __future__ import annotations
 
 import copy
-import fnmatch
 import json
 import os
 import socket
@@ -24,7 +23,7 @@ from pathlib import Path
 import fsspec
 import torch
 
-from engines.model.storage import TOKENIZER_FILE_PATTERNS, fetch_folder
+from engines.model.storage import TOKENIZER_FILE_PATTERNS, fetch_folder, is_model_file
 from engines.model.weights import save_weights
 from engines.train.config import TrainerConfig
 from engines.train.worker import GradWorker
@@ -197,8 +196,7 @@ class CoreTrainer:
         if tokenizer_from is not None:
             source = fetch_folder(tokenizer_from, patterns=TOKENIZER_FILE_PATTERNS)
             for path in sorted(source.iterdir()):
-                wanted = any(fnmatch.fnmatchcase(path.name, p) for p in TOKENIZER_FILE_PATTERNS)
-                if wanted and path.name != "config.json" and path.is_file():
+                if path.name != "config.json" and is_model_file(path.name, TOKENIZER_FILE_PATTERNS):
                     fs.put_file(str(path), f"{remote}/{path.name}")
         fs.pipe_file(f"{remote}/config.json", self.engine.module.config.to_json_string().encode())
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
