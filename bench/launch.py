@@ -1,7 +1,7 @@
 """`python -m bench.launch`: what the harness zygote saves on the demo campaign's executions.
 
-The shipped warm start rolls out the demo's kind of step (12 problems of the three suites x 4, its
-harness settings) against one engine and the gateway, alternately with the zygote's forks
+The shipped warm start rolls out the demo's kind of step (12 problems of its suites x 4, its harness
+settings) against one engine and the gateway, alternately with the zygote's forks
 (environments/zygote.py) and with a fresh ``python -m environments.harness`` per execution, on the
 same problems (``--rounds`` of each, alternating, so the engine's warm prefix cache favours neither).
 These executions are short (2-5 calls), so the launch is a large share of their cost; a workload

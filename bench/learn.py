@@ -152,6 +152,12 @@ def main(
         f"{figures['problems_gained']} gained, {figures['problems_lost']} lost)"
     )
     print(f"held-out mean reward      {figures['mean_reward_before']} -> {figures['mean_reward_after']}")
+    temperature, samples = figures["held_out_temperature"], figures["held_out_samples_per_problem"]
+    print(
+        "held-out evaluation       "
+        + ("greedy" if temperature == 0 else f"sampled at temperature {temperature}")
+        + f", {samples} execution{'s' if samples > 1 else ''} per problem (a problem's pass rate: the share that passed)"
+    )
     print(
         f"tokens trained            {figures['tokens_trained']} (sent / unique {figures['naive_over_unique_tokens']}x)"
     )

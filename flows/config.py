@@ -13,7 +13,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from tasks.campaign import DispatchConfig, EvaluationConfig, ProblemsConfig
 from tasks.schedule import SchedulerConfig
@@ -50,6 +50,16 @@ class CampaignConfig(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @model_validator(mode="after")
+    def _one_update_when_streaming(self) -> CampaignConfig:
+        if self.scheduler.policy is not None and self.trainer.updates_per_step > 1:
+            raise ValueError(
+                f"[trainer] mini_batches = {self.trainer.mini_batches} and epochs = {self.trainer.epochs}: "
+                f"the scheduler's steps stream (policy {self.scheduler.policy!r}) and make one update each; "
+                "set both to 1, or leave [scheduler] policy unset"
+            )
+        return self
 
     def merged(self, overrides: dict) -> CampaignConfig:
         """A copy with ``overrides`` (a partial config) merged in, section by section, validated."""

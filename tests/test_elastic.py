@@ -6,10 +6,8 @@ satellite is killed mid-step."""
 
 from __future__ import annotations
 
-import io
 import os
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -18,8 +16,7 @@ from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.satellite import start_satellites
-from tests.train_fixtures import packed_batch, perturb_behaviour, tiny_model
-from trajectory_store.processor import batch_to_table
+from tests.train_fixtures import policy_and_batch
 
 pytestmark = pytest.mark.slow
 
@@ -37,16 +34,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("elastic")
-    model_dir = str(root / "policy")
-    tiny_model(5).save_pretrained(model_dir, safe_serialization=True)
-    batch = packed_batch(str(root / "data"), seed=11, n_executions=10, budget=16)
-    perturb_behaviour(batch, 11)
+    model_dir, batch, batch_uri = policy_and_batch(root, 5, 11, n_executions=10, budget=16)
     assert len(batch.sequences) >= 8
-    buffer = io.BytesIO()
-    pq.write_table(batch_to_table(batch, 0), buffer)
-    batch_uri = str(root / "batch.parquet")
-    with open(batch_uri, "wb") as handle:
-        handle.write(buffer.getvalue())
     weights_dir = str(root / "fast")
     os.makedirs(weights_dir)
     config = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +46,12 @@ def test_campaign_config_loads_and_rejects_bad_values(tmp_path):
         CampaignConfig.from_toml(bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         CampaignConfig.from_toml(tmp_path / "missing.toml")
+
+
+def test_every_shipped_config_loads():
+    """configs/ (the recipes and the validation experiments the README cites) stay valid configs."""
+    paths = sorted(Path("configs").rglob("*.toml"))
+    assert len(paths) >= 8
+    for path in paths:
+        config = CampaignConfig.from_toml(path)
+        assert config.policy == "data/policies/tiny-sft", path

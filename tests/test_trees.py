@@ -254,5 +254,7 @@ def test_advantages_are_group_relative():
     assert grpo["d"] == 0.0
     assert group_advantages(rewards, "mean", 1e-6)["b"] == pytest.approx(-0.5)
     assert group_advantages(rewards, "rloo", 1e-6)["a"] == pytest.approx(1.0 - 0.25)
+    positive = group_advantages(rewards, "positive", 1e-6)
+    assert positive["a"] == grpo["a"] > 0 and positive["b"] == 0.0 > grpo["b"] and positive["c"] == 0.0
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         group_advantages(rewards, "ppo", 1e-6)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.trees import random_execution
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
-from trajectory_store.processor import PackedBatch, pack
+from trajectory_store.processor import PackedBatch, batch_to_table, pack
 from trajectory_store.recorder import Recorder
 from trajectory_store.storage import Store, StoreConfig
 
@@ -52,6 +53,18 @@ def packed_batch(
     con = connect(store, SelectionConfig(j_max=j_max))
     longest = con.execute("SELECT max(n_tokens) FROM selected_trajectories").fetchall()[0][0]
     return pack(con, PackingConfig(token_budget=max(budget, int(longest)), advantage="grpo"))
+
+
+def policy_and_batch(root, model_seed: int, batch_seed: int, n_executions: int, budget: int):
+    """A tiny policy saved under root/policy and a perturbed packed batch written to
+    root/batch.parquet: (model_dir, batch, batch_uri), what the trainer tests start from."""
+    model_dir = str(root / "policy")
+    tiny_model(model_seed).save_pretrained(model_dir, safe_serialization=True)
+    batch = packed_batch(str(root / "data"), seed=batch_seed, n_executions=n_executions, budget=budget)
+    perturb_behaviour(batch, batch_seed)
+    batch_uri = str(root / "batch.parquet")
+    pq.write_table(batch_to_table(batch, 0), batch_uri)
+    return model_dir, batch, batch_uri
 
 
 def perturb_behaviour(batch: PackedBatch, seed: int) -> None:

@@ -55,10 +55,11 @@ class PackingConfig(BaseModel):
     token_budget: int = Field(
         32768, ge=16, description="tokens per packed sequence; must hold the longest selected trajectory"
     )
-    advantage: Literal["grpo", "mean", "rloo"] = Field(
+    advantage: Literal["grpo", "positive", "mean", "rloo"] = Field(
         "grpo",
-        description="group-relative advantage: grpo = (r - mean) / (std + eps); mean = r - mean; "
-        "rloo = r - mean of the others in the group",
+        description="group-relative advantage: grpo = (r - mean) / (std + eps); positive = grpo's, 0 where "
+        "below the group's mean (only the better executions are reinforced: rejection-sampling fine-tuning "
+        "weighted by the advantage); mean = r - mean; rloo = r - mean of the others in the group",
     )
     advantage_eps: float = Field(1e-6, gt=0, description="added to the group std (grpo)")
     share_prefixes: bool = Field(

@@ -67,15 +67,18 @@ def group_advantages(rewards: dict[str, tuple[str, float]], estimator: str, eps:
         values = np.array([rewards[m][1] for m in members], dtype=np.float64)
         mean = values.mean()
         for member, value in zip(members, values, strict=True):
-            if estimator == "grpo":
-                advantages[member] = float((value - mean) / (values.std() + eps))
+            if estimator in ("grpo", "positive"):
+                advantage = float((value - mean) / (values.std() + eps))
+                advantages[member] = max(advantage, 0.0) if estimator == "positive" else advantage
             elif estimator == "mean":
                 advantages[member] = float(value - mean)
             elif estimator == "rloo":
                 n = len(values)
                 advantages[member] = float(value - (values.sum() - value) / (n - 1)) if n > 1 else 0.0
             else:
-                raise ValueError(f"unknown advantage estimator {estimator!r}; expected grpo, mean or rloo")
+                raise ValueError(
+                    f"unknown advantage estimator {estimator!r}; expected grpo, positive, mean or rloo"
+                )
     return advantages
 
 

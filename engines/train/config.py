@@ -35,4 +35,22 @@ class TrainerConfig(BaseModel):
         "into the core's full parameters)",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype (bfloat16 on GPUs)")
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="optimizer updates per pass over a step's batch: its packed sequences are split into "
+        "this many mini-batches (balanced by tokens) and each one is an AdamW update; after the first, the "
+        "PPO clip against the behaviour logprobs is what keeps the policy near the one that sampled. "
+        "Each mini-batch's loss keeps the step's normalizer, so at equal weights the mini-batch gradients "
+        "add up to the whole batch's. 1: one update per step (a streaming step is always 1)",
+    )
+    epochs: int = Field(
+        1,
+        ge=1,
+        description="passes over a step's batch (PPO epochs); updates per step = epochs x mini_batches",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.epochs * self.mini_batches

@@ -92,8 +92,8 @@ class CoreTrainer:
 
     engine     the DeepSpeed engine (weights + optimizer)
     worker     the core's own GradWorker (a plain copy of the model, loaded with the current weights)
-    version    policy version of the current weights (one per optimizer step)
-    step       optimizer steps taken
+    version    policy version of the current weights (one per step)
+    step       steps taken (a step is one optimizer update, or several: TrainerConfig.mini_batches/epochs)
     """
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig, *, version: int = 0, step: int = 0):
@@ -135,8 +135,10 @@ class CoreTrainer:
     def sync_worker(self) -> None:
         self.worker.load_weights(self.weights(), self.version)
 
-    def apply(self, grad: torch.Tensor) -> float:
-        """One optimizer step with the given flat gradient sum; returns the pre-clip gradient norm."""
+    def apply(self, grad: torch.Tensor, *, new_version: bool = True) -> float:
+        """One optimizer update with the given flat gradient sum; returns the pre-clip gradient norm.
+        ``new_version`` False: an update inside a step of several (the step's last one makes the
+        version)."""
         expected = sum(p.numel() for p in self.params)
         if grad.numel() != expected:
             raise ValueError(f"gradient has {grad.numel()} values, the model has {expected} parameters")
@@ -151,8 +153,9 @@ class CoreTrainer:
         self.last_grad = grad  # kept for inspection (benchmarks compare it across setups)
         self.last_grad_norm = float(torch.linalg.vector_norm(grad.double()))
         self.engine.step()
-        self.step += 1
-        self.version += 1
+        if new_version:
+            self.step += 1
+            self.version += 1
         return self.last_grad_norm
 
     # -- checkpoints and publishing -----------------------------------------------------------

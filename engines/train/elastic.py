@@ -225,11 +225,14 @@ class ElasticCoordinator:
         weights_dir: str,
         n_executions: int | None = None,
         deadline_s: float | None = None,
+        final: bool = True,
     ) -> StreamingStep:
         """Opens a step whose micro-batches will arrive later (``StreamingStep``). ``n_executions``,
         when known now, is the normalizer (then each micro-batch is divided by it, as run_step
-        does); ``deadline_s`` after opening, the core closes the step with what has arrived."""
-        return StreamingStep(self, step, weights_dir, n_executions, deadline_s)
+        does); ``deadline_s`` after opening, the core closes the step with what has arrived.
+        ``final`` False: the update is one of several of the step (TrainerConfig.mini_batches), and
+        makes no new version."""
+        return StreamingStep(self, step, weights_dir, n_executions, deadline_s, final)
 
     def run_step(
         self,
@@ -241,13 +244,14 @@ class ElasticCoordinator:
         weights_dir: str,
         pace_s: float = 0.0,
         on_micro_batch: Callable[[int], None] | None = None,
+        final: bool = True,
     ) -> StepReport:
         """One elastic step over ``sequences`` (also readable by satellites at ``batch_uri``): a
         streaming step whose batch is one chunk, closed at once.
 
         ``pace_s`` slows the core down per micro-batch (tests and benchmarks use it so that
-        satellites have something left to take)."""
-        opened = self.open_step(step, weights_dir=weights_dir, n_executions=n_executions)
+        satellites have something left to take); ``final`` as in ``open_step``."""
+        opened = self.open_step(step, weights_dir=weights_dir, n_executions=n_executions, final=final)
         opened.append(batch_uri, n_executions, sequences=sequences)
         opened.close(n_executions)
         return opened.train(pace_s=pace_s, on_micro_batch=on_micro_batch)
@@ -267,9 +271,10 @@ class StreamingStep:
         weights_dir: str,
         n_executions: int | None,
         deadline_s: float | None,
+        final: bool = True,
     ):
         started = time.perf_counter()
-        self.coordinator, self.config, self.step = coordinator, coordinator.config, step
+        self.coordinator, self.config, self.step, self.final = coordinator, coordinator.config, step, final
         self.store = step_store(coordinator.store, step)
         if _has(self.store, "meta"):
             raise ValueError(f"step {step} was already opened on this store")
@@ -462,10 +467,11 @@ class StreamingStep:
             elif closure.n_executions != self.normalizer:  # closed with another count than announced
                 grad = grad * (self.normalizer / closure.n_executions)
                 merged.loss *= self.normalizer / closure.n_executions
-            grad_norm = core.apply(grad)
+            grad_norm = core.apply(grad, new_version=self.final)
         else:  # nothing arrived: the same weights become the next version (engines/train/run.py)
-            core.step += 1
-            core.version += 1
+            if self.final:
+                core.step += 1
+                core.version += 1
             grad_norm = 0.0
         store.set("done", str(core.version))
         applied = time.perf_counter()

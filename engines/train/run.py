@@ -37,7 +37,7 @@ from engines.model.weights import load_model
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
-from trajectory_store.processor import table_to_sequences
+from trajectory_store.processor import PackedSequence, table_to_sequences
 
 
 class TrainStepRequest(BaseModel):
@@ -113,6 +113,70 @@ def restore(request: TrainStepRequest) -> CoreTrainer:
     return core
 
 
+def mini_batches(
+    sequences: list[PackedSequence], parts: int, rng: random.Random
+) -> list[list[PackedSequence]]:
+    """``sequences`` in at most ``parts`` non-empty mini-batches of about equal tokens: taken in a
+    shuffled order, each goes to the lightest mini-batch so far."""
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    batches: list[list[int]] = [[] for _ in range(min(parts, len(sequences)))]
+    tokens = [0] * len(batches)
+    for index in order:
+        lightest = min(range(len(batches)), key=lambda b: (tokens[b], b))
+        batches[lightest].append(index)
+        tokens[lightest] += len(sequences[index])
+    return [[sequences[i] for i in sorted(batch)] for batch in batches]
+
+
+def _updates(
+    core: CoreTrainer, request: TrainStepRequest, sequences: list[PackedSequence]
+) -> dict[str, float]:
+    """The step's optimizer updates: ``epochs`` passes over ``sequences`` in ``mini_batches``
+    mini-batches (reshuffled every epoch with an RNG of the campaign seed and the step, so a retried
+    step makes the same updates); the last update makes the new version. Every mini-batch keeps the
+    step's normalizer (n_executions). Metrics: token means over all updates (loss and tokens per
+    epoch), and ``updates``."""
+    config = request.trainer
+    rng = random.Random(f"{request.seed}/{request.step}")
+    plan = [part for _ in range(config.epochs) for part in mini_batches(sequences, config.mini_batches, rng)]
+    reports = []
+    for k, part in enumerate(plan):
+        coordinator = ElasticCoordinator(core)
+        try:
+            reports.append(
+                coordinator.run_step(
+                    request.step,
+                    part,
+                    request.n_executions,
+                    batch_uri=request.batch_uri,
+                    weights_dir=request.fast_dir,
+                    final=k == len(plan) - 1,
+                )
+            )
+        finally:
+            coordinator.close()
+    metrics = reports[0].metrics()
+    if len(reports) > 1:
+        tokens = sum(r.stats.tokens for r in reports) or 1
+        metrics.update(
+            clip_fraction=sum(r.stats.clipped for r in reports) / tokens,
+            ratio_mean=sum(r.stats.ratio_sum for r in reports) / tokens,
+            ratio_max=max(r.stats.ratio_max for r in reports),
+            kl=sum(r.stats.kl_sum for r in reports) / tokens,
+            entropy=sum(r.stats.entropy_sum for r in reports) / tokens,
+            policy_lag_mean=sum(r.stats.lag_sum for r in reports) / tokens,
+            policy_lag_max=float(max(r.stats.lag_max for r in reports)),
+            loss=sum(r.stats.loss for r in reports) / config.epochs,
+            grad_norm=sum(r.grad_norm for r in reports) / len(reports),
+            tokens_trained=float(sum(r.stats.tokens for r in reports) / config.epochs),
+            micro_batches=float(sum(r.micro_batches for r in reports)),
+            step_s=sum(r.timings["step"] for r in reports),
+        )
+    metrics["updates"] = float(len(reports))
+    return metrics
+
+
 def train_step(request: TrainStepRequest) -> TrainStepReport:
     return step_with(request, None)[0]
 
@@ -131,6 +195,11 @@ def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[Trai
     metrics: dict[str, float] = {}
     trained = bool(request.batch_uri and request.n_executions)
     if request.stream:
+        if request.trainer.updates_per_step > 1:
+            raise ValueError(
+                f"step {request.step}: a streaming step makes one update; trainer.mini_batches "
+                f"({request.trainer.mini_batches}) and trainer.epochs ({request.trainer.epochs}) must be 1"
+            )
         coordinator = ElasticCoordinator(core)
         try:
             step = coordinator.open_step(request.step, weights_dir=request.fast_dir)
@@ -144,18 +213,7 @@ def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[Trai
         fs, path = fsspec.core.url_to_fs(request.batch_uri)
         with fs.open(path, "rb") as handle:
             sequences = table_to_sequences(pq.read_table(handle))
-        coordinator = ElasticCoordinator(core)
-        try:
-            report = coordinator.run_step(
-                request.step,
-                sequences,
-                request.n_executions,
-                batch_uri=request.batch_uri,
-                weights_dir=request.fast_dir,
-            )
-        finally:
-            coordinator.close()
-        metrics = report.metrics()
+        metrics = _updates(core, request, sequences)
     else:  # nothing carries signal: the same weights become the next version
         core.step += 1
         core.version += 1
