@@ -13,7 +13,7 @@ import torch
 from engines.model.weights import load_model
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
-from engines.train.run import TrainStepRequest, mini_batches, train_step
+from engines.train.run import TrainStepRequest, mini_batches, step_updates, train_step
 from flows.config import CampaignConfig
 from tests.train_fixtures import policy_and_batch
 
@@ -101,3 +101,13 @@ def test_streaming_steps_refuse_several_updates():
     with pytest.raises(ValueError, match=r"mini_batches = 2 and epochs = 1.*one update each"):
         CampaignConfig.model_validate({"trainer": {"mini_batches": 2}, "scheduler": {"policy": "elastic"}})
     assert CampaignConfig.model_validate({"trainer": {"mini_batches": 2}}).trainer.updates_per_step == 2
+
+
+def test_a_batch_without_sequences_makes_a_version_without_an_update(setup):
+    request = _request(setup, "empty", TrainerConfig(zero_stage=0, mini_batches=3, epochs=2))
+    core = CoreTrainer(load_model(setup["model_dir"], dtype="float32"), request.trainer)
+    before = core.weights()
+    metrics = step_updates(core, request, [])
+    assert (core.step, core.version, metrics["updates"], metrics["micro_batches"]) == (1, 1, 1.0, 0.0)
+    for name, value in core.weights().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)

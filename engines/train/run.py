@@ -129,7 +129,7 @@ def mini_batches(
     return [[sequences[i] for i in sorted(batch)] for batch in batches]
 
 
-def _updates(
+def step_updates(
     core: CoreTrainer, request: TrainStepRequest, sequences: list[PackedSequence]
 ) -> dict[str, float]:
     """The step's optimizer updates: ``epochs`` passes over ``sequences`` in ``mini_batches``
@@ -140,6 +140,7 @@ def _updates(
     config = request.trainer
     rng = random.Random(f"{request.seed}/{request.step}")
     plan = [part for _ in range(config.epochs) for part in mini_batches(sequences, config.mini_batches, rng)]
+    plan = plan or [[]]  # no sequences: one step closed empty, a version without an update
     reports = []
     for k, part in enumerate(plan):
         coordinator = ElasticCoordinator(core)
@@ -213,7 +214,7 @@ def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[Trai
         fs, path = fsspec.core.url_to_fs(request.batch_uri)
         with fs.open(path, "rb") as handle:
             sequences = table_to_sequences(pq.read_table(handle))
-        metrics = _updates(core, request, sequences)
+        metrics = step_updates(core, request, sequences)
     else:  # nothing carries signal: the same weights become the next version
         core.step += 1
         core.version += 1
