@@ -17,6 +17,9 @@ Every policy runs on the SAME sampled work (one seed per preset) and the same ce
   preset's `async_splits` is run and the fastest is reported, with its split.
 - elastic: the waterlevel policy with two steps in flight (lag <= 1, as async).
 - elastic-sync: the waterlevel policy with one step in flight (lag 0, as colocate).
+- elastic-oracle: elastic with each step's executions started longest first by their TRUE
+  durations (`Preset.dispatch_order = "oracle"`): what ordering could buy, the limit of any length
+  predictor; not a policy the controller can run.
 
 Each row reads against its lower bound (sim/run.py `lower_bound`: work over all cells, and the
 chain of longest executions the policy's depth allows). Prints a table and writes JSON:
@@ -24,7 +27,9 @@ presets.<name>.policies.<policy> (figures), presets.<name>.async_split, and per 
 elastic_over_async, elastic_over_colocate and elastic_sync_over_colocate (makespan ratios); the
 headline keys: paper.{speedup_vs_async, speedup_vs_colocate, over_lower_bound, async_over_lower_bound,
 speedup_vs_async_ceiling} (paper-flagship; the ceiling is async's makespan over the shared lower bound),
-real.{speedup_vs_async, speedup_vs_colocate, reward_by_policy, makespan_s, ...}, sim_vs_real_error,
+paper.{oracle_order_over_lower_bound, oracle_order_speedup_vs_async} (the elastic-oracle row),
+real.{speedup_vs_async, speedup_vs_colocate, reward_by_policy, makespan_s, rounds,
+speedup_vs_async_rounds, cpu_busy_by_policy, ...}, sim_vs_real_error,
 switch_s.{to_train_p50, to_rollout_p50, ...} (measured on the real cells).
 """
 
@@ -60,6 +65,12 @@ def run_preset(preset: Preset) -> dict:
     rows["elastic"] = simulate(preset, make_policy("elastic", **preset.elastic), "elastic", 2, work)
     sync = {**preset.elastic, "depth": 1, "max_policy_lag": 0}
     rows["elastic-sync"] = simulate(preset, make_policy("elastic", **sync), "elastic-sync", 1, work)
+    # what ordering a step's dispatches could buy: its executions started longest first by their
+    # TRUE durations, the limit of any length predictor (Preset.dispatch_order)
+    oracle = dataclasses.replace(preset, dispatch_order="oracle")
+    rows["elastic-oracle"] = simulate(
+        oracle, make_policy("elastic", **preset.elastic), "elastic-oracle", 2, work
+    )
     colocate, async_ = rows["colocate"].makespan_s, rows["async"].makespan_s
     return {
         "steps": preset.steps,
@@ -72,6 +83,7 @@ def run_preset(preset: Preset) -> dict:
         "elastic_over_async": round(async_ / rows["elastic"].makespan_s, 4),
         "elastic_over_colocate": round(colocate / rows["elastic"].makespan_s, 4),
         "elastic_sync_over_colocate": round(colocate / rows["elastic-sync"].makespan_s, 4),
+        "elastic_oracle_over_async": round(async_ / rows["elastic-oracle"].makespan_s, 4),
     }
 
 
@@ -103,15 +115,23 @@ def print_preset(name: str, figures: dict) -> None:
 
 def print_real(real: dict) -> None:
     print(
-        f"{'policy':<10}{'makespan':>10}{'sim':>9}{'error':>8}{'switches':>10}{'train share':>13}{'reward':>8}"
+        f"{'policy':<10}{'makespan':>10}{'sim':>9}{'error':>8}{'switches':>10}{'train share':>13}"
+        f"{'cpu busy':>10}{'reward':>8}"
     )
     for label, row in real["policies"].items():
         sim = real["sim_vs_real"][label]
+        busy = "-" if row.get("cpu_busy") is None else f"{row['cpu_busy']:.2f}"
         print(
             f"{label:<10}{row['makespan_s']:>9.1f}s{sim['sim_s']:>8.1f}s{sim['error']:>8.1%}{row['switches']:>10}"
-            f"{row['role_share']['train']:>13.2f}{row['mean_reward']:>8.3f}"
+            f"{row['role_share']['train']:>13.2f}{busy:>10}{row['mean_reward']:>8.3f}"
         )
     switch = real["switch_s"]
+    if real.get("rounds", 1) > 1:
+        print(
+            f"makespans are means over {real['rounds']} rounds; per round, elastic over async "
+            f"{', '.join(f'{x:.3f}x' for x in real['speedup_vs_async_rounds'])}, over colocate "
+            f"{', '.join(f'{x:.3f}x' for x in real['speedup_vs_colocate_rounds'])}"
+        )
     print(
         f"real: elastic over async {real['speedup_vs_async']:.3f}x, over colocate {real['speedup_vs_colocate']:.3f}x; "
         f"switch to train p50 {switch['to_train_p50']} s, to rollout p50 {switch['to_rollout_p50']} s; "
@@ -146,11 +166,16 @@ def main(quick: bool = False, out: str = DEFAULT_OUT, preset: str | None = None,
                 / flagship["policies"]["elastic"]["lower_bound_s"],
                 4,
             ),
+            # elastic with each step's executions started longest first by their true durations
+            "oracle_order_over_lower_bound": flagship["policies"]["elastic-oracle"]["over_lower_bound"],
+            "oracle_order_speedup_vs_async": flagship["elastic_oracle_over_async"],
         }
         print(
             f"\npaper-flagship: elastic {report['paper']['speedup_vs_async']:.3f}x async; no policy at this "
             f"depth can beat async by more than {report['paper']['speedup_vs_async_ceiling']:.3f}x "
-            f"(async's makespan over the lower bound)"
+            f"(async's makespan over the lower bound); started longest first by true duration, elastic "
+            f"would be {report['paper']['oracle_order_over_lower_bound']:.3f}x its bound and "
+            f"{report['paper']['oracle_order_speedup_vs_async']:.3f}x async"
         )
     if real:
         from bench.schedule_real import compare  # starts engines, the gateway and replica processes

@@ -10,7 +10,9 @@ scheduler/controller.py deciding roles and dispatch every tick. Between policies
 back to rollout and every engine back to version 0.
 
 Figures per policy: makespan (first dispatch to the last step's published version), switches and
-their latency per phase, the share of cell-seconds in each role, executions, mean rollout reward
+their latency per phase, the share of cell-seconds in each role, the share of the cores' time kept
+busy (`cpu_busy`: on shared cores a freed cell frees nothing, so a gain must show as cores kept
+busier while the tail finishes), executions, mean rollout reward
 (the reward of the executions each campaign trained on: the policies must not differ in what they
 learn from, only in when), and the steps' figures.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -137,7 +140,9 @@ class RealBench:
 
     def run(self, label: str, policy: str, params: dict[str, Any], work: RealWork) -> dict[str, Any]:
         """One policy's campaign on `work`; its figures, and (key `measured`) its executions as the
-        simulator's calibration reads them."""
+        simulator's calibration reads them. `cpu_busy`: the machine's CPU time spent over the time
+        its cores had while the campaign ran (/proc/stat, every process: run it on a quiet machine),
+        the honest idle figure when every cell shares the same cores."""
         campaign = f"schedule-{label}"
         services = self.services(campaign)
         self.reset(services)
@@ -156,11 +161,14 @@ class RealBench:
             make_policy(policy, **params), self.pool, runtime, sessions_per_cell=SESSIONS_PER_CELL
         )
         try:
+            before = cpu_times()
             report = run_controller(controller, runtime, work.steps_work())
+            busy = cpu_busy(before, cpu_times())
         finally:
             runtime.close()
         figures = report.figures()
         figures.update(
+            cpu_busy=busy,
             policy=label,
             params=params,
             errors=controller.errors,
@@ -180,11 +188,17 @@ class RealBench:
                    list(c.output_len ORDER BY c.call_id), list(c.prompt_len ORDER BY c.call_id),
                    coalesce(sum(c.t_end - c.t_start), 0), coalesce(sum(c.prompt_len + c.output_len - c.prefix_len), 0)
             FROM executions e LEFT JOIN calls c USING (execution_id)
+            WHERE e.status <> 'abandoned'
             GROUP BY ALL
+            ORDER BY e.execution_id
             """
         ).fetchall()
         con.close()
-        by_id = {r[0]: r for r in rows}
+        # a member run again (its first attempt abandoned) is recorded as <id>-a<k>: the member's
+        # figures are those of its last attempt
+        by_id: dict[str, tuple] = {}
+        for r in sorted(rows, key=lambda r: _attempt(r[0])):
+            by_id[re.sub(r"-a\d+$", "", r[0])] = r
         rewards: dict[str, set[float]] = {}
         for r in rows:
             rewards.setdefault(r[1], set()).add(round(r[2] or 0.0, 6))
@@ -194,7 +208,10 @@ class RealBench:
             for problem, member in step.members():
                 key = execution_id_for(step.step, Problem.from_json(problem), member, label)
                 if key not in by_id:
-                    raise RuntimeError(f"the {label} run recorded no execution {key}")
+                    raise RuntimeError(
+                        f"the {label} run recorded no execution {key} (it holds {len(by_id)}: "
+                        f"{', '.join(sorted(by_id)[:4])}, ...)"
+                    )
                 _, group, _, wall, outputs, prompts, call_s, unique = by_id[key]
                 outputs = [o for o in outputs if o is not None]
                 row.append(
@@ -217,6 +234,30 @@ class RealBench:
             to_train_s=float(np.median(figures["switch_to_train_s"] or [0.0])),
             to_rollout_s=float(np.median(figures["switch_to_rollout_s"] or [0.0])),
         )
+
+
+def _attempt(execution_id: str) -> int:
+    """k of an id ending in -a<k> (execution_id_for), 0 for a first attempt."""
+    found = re.search(r"-a(\d+)$", execution_id)
+    return int(found.group(1)) if found else 0
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of every core since boot, from /proc/stat; None where it is absent."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the cores' time spent busy between two `cpu_times` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
 
 
 def role_share(report: RunReport) -> dict[str, float]:
@@ -253,54 +294,82 @@ def percentile(values: list[float], q: float) -> float | None:
 CALIBRATION_SEED = 8000  # the calibration run's problems; the compared runs use RealWork.seed
 
 
-def compare(quick: bool = False, root: str | None = None) -> dict[str, Any]:
-    """Every policy of POLICIES on the same work and cells, then the simulator calibrated on a
-    colocate run of other problems predicting each of them: the `real` section of schedule.json."""
+ROUNDS = 2  # every policy runs this many times, in turn (quick: once): the machine's noise, measured
+
+
+def compare(quick: bool = False, root: str | None = None, rounds: int | None = None) -> dict[str, Any]:
+    """Every policy of POLICIES on the same work and cells, `rounds` times in turn (colocate, async,
+    elastic, colocate, ...), then the simulator calibrated on a colocate run of other problems
+    predicting each run: the `real` section of schedule.json. A policy's makespan is the mean over
+    its rounds (`makespan_rounds_s` has each); its other figures are its first round's."""
+    rounds = rounds or (1 if quick else ROUNDS)
     work = RealWork(steps=2 if quick else 3, problems_per_step=6 if quick else 8, group_size=2, seed=7000)
     calibration_work = dataclasses.replace(work, seed=CALIBRATION_SEED)
     own = root is None
     root = root or tempfile.mkdtemp(prefix="gyre-schedule-real-")
-    rows: dict[str, dict[str, Any]] = {}
+    runs_of: dict[str, list[dict[str, Any]]] = {}
     try:
         with RealBench(root) as bench:
-            runs = [("calibration", "colocate", {}, calibration_work)]
-            runs += [(label, policy, params, work) for label, (policy, params) in POLICIES.items()]
-            for label, policy, params, chosen in runs:
+            runs = [("calibration", "calibration", "colocate", {}, calibration_work)]
+            runs += [
+                (label, label if r == 0 else f"{label}-r{r}", policy, params, work)
+                for r in range(rounds)
+                for label, (policy, params) in POLICIES.items()
+            ]
+            for label, run_label, policy, params, chosen in runs:
                 started = time.perf_counter()
-                rows[label] = bench.run(label, policy, params, chosen)
-                row = rows[label]
+                row = bench.run(run_label, policy, params, chosen)
+                runs_of.setdefault(label, []).append(row)
+                busy = "-" if row["cpu_busy"] is None else f"{row['cpu_busy']:.2f}"
                 print(
-                    f"real {label:<12} makespan {row['makespan_s']:7.1f} s  switches {row['switches']:3d}  "
-                    f"train share {row['role_share']['train']:.2f}  errors {len(row['errors'])}  "
+                    f"real {run_label:<12} makespan {row['makespan_s']:7.1f} s  switches {row['switches']:3d}  "
+                    f"train share {row['role_share']['train']:.2f}  cpu busy {busy}  errors {len(row['errors'])}  "
                     f"({time.perf_counter() - started:.0f} s)",
                     flush=True,
                 )
             start_s = bench.start_s
-        failed = {label: row["errors"] for label, row in rows.items() if row["errors"]}
+        failed = {row["policy"]: row["errors"] for rows in runs_of.values() for row in rows if row["errors"]}
         if failed:  # a figure from a run whose executions or switches failed would mislead
             raise RuntimeError(f"policies with errors: {failed}")
-    finally:
+    except BaseException:
         if own:
-            shutil.rmtree(root, ignore_errors=True)
-    measured = {label: row.pop("measured") for label, row in rows.items()}
-    calibration = rows.pop("calibration")
-    machine = calibrate(measured["calibration"], make_policy("colocate"), CELLS, SESSIONS_PER_CELL)
+            print(f"the real runs failed: their stores and logs are kept in {root}", flush=True)
+        raise
+    if own:
+        shutil.rmtree(root, ignore_errors=True)
+    measured = {label: [row.pop("measured") for row in rows] for label, rows in runs_of.items()}
+    calibration = runs_of.pop("calibration")[0]
+    machine = calibrate(measured["calibration"][0], make_policy("colocate"), CELLS, SESSIONS_PER_CELL)
+    rows: dict[str, dict[str, Any]] = {}
     sim_vs_real = {}
     for label, (policy, params) in POLICIES.items():
-        predicted = predict(
-            machine, measured[label], make_policy(policy, **params), 1 if label == "colocate" else 2
-        )
-        real = rows[label]["makespan_s"]
-        sim_vs_real[label] = {
-            "real_s": real,
-            "sim_s": round(predicted, 2),
-            "error": round(abs(predicted - real) / real, 4),
+        spans = [row["makespan_s"] for row in runs_of[label]]
+        predicted = [
+            predict(machine, run, make_policy(policy, **params), 1 if label == "colocate" else 2)
+            for run in measured[label]
+        ]
+        rows[label] = {
+            **runs_of[label][0],
+            "makespan_s": round(float(np.mean(spans)), 2),
+            "makespan_rounds_s": spans,
+            "cpu_busy_rounds": [row["cpu_busy"] for row in runs_of[label]],
         }
-        print(
-            f"sim {label:<12} predicted {predicted:7.1f} s  real {real:7.1f} s  error {sim_vs_real[label]['error']:.1%}"
-        )
-    to_train = [s for row in rows.values() for s in row["switch_to_train_s"]]
-    to_rollout = [s for row in rows.values() for s in row["switch_to_rollout_s"]]
+        busy = [b for b in rows[label]["cpu_busy_rounds"] if b is not None]
+        rows[label]["cpu_busy"] = round(float(np.mean(busy)), 3) if busy else None
+        errors = [abs(p - r) / r for p, r in zip(predicted, spans, strict=True)]
+        sim_vs_real[label] = {
+            "real_s": rows[label]["makespan_s"],
+            "sim_s": round(float(np.mean(predicted)), 2),
+            "error": round(max(errors), 4),  # the worst round
+            "rounds": [
+                {"real_s": r, "sim_s": round(p, 2), "error": round(e, 4)}
+                for p, r, e in zip(predicted, spans, errors, strict=True)
+            ],
+        }
+        for p, r, e in zip(predicted, spans, errors, strict=True):
+            print(f"sim {label:<12} predicted {p:7.1f} s  real {r:7.1f} s  error {e:.1%}")
+    to_train = [s for runs in runs_of.values() for row in runs for s in row["switch_to_train_s"]]
+    to_rollout = [s for runs in runs_of.values() for row in runs for s in row["switch_to_rollout_s"]]
     elastic = rows["elastic"]["makespan_s"]
     return {
         "work": {
@@ -319,7 +388,22 @@ def compare(quick: bool = False, root: str | None = None) -> dict[str, Any]:
         "makespan_s": {label: row["makespan_s"] for label, row in rows.items()},
         "speedup_vs_async": round(rows["async"]["makespan_s"] / elastic, 4),
         "speedup_vs_colocate": round(rows["colocate"]["makespan_s"] / elastic, 4),
+        "rounds": rounds,
+        # per round, each policy's makespan over elastic's of the same round: how far noise moves it
+        "speedup_vs_async_rounds": [
+            round(a / e, 4)
+            for a, e in zip(
+                rows["async"]["makespan_rounds_s"], rows["elastic"]["makespan_rounds_s"], strict=True
+            )
+        ],
+        "speedup_vs_colocate_rounds": [
+            round(c / e, 4)
+            for c, e in zip(
+                rows["colocate"]["makespan_rounds_s"], rows["elastic"]["makespan_rounds_s"], strict=True
+            )
+        ],
         "reward_by_policy": {label: round(row["mean_reward"], 4) for label, row in rows.items()},
+        "cpu_busy_by_policy": {label: row["cpu_busy"] for label, row in rows.items()},
         "switch_s": {
             "to_train_p50": percentile(to_train, 50),
             "to_train_p95": percentile(to_train, 95),

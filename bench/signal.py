@@ -12,8 +12,10 @@ first k members of each group (k = 2, 4, ..., group_size), so one rollout answer
     python -m bench.signal [--problems 12] [--group-size 8] [--temperatures 1.0,1.3,1.6]
                            [--suites repo,swe] [--difficulty 2]
 
-Figures go to bench/results/signal.json: per temperature, the pass rate over every execution and
-per suite, the mean reward and, per group size, the groups with mixed rewards and their fraction.
+Figures go to bench/results/signal.json: per temperature, the pass rate over every execution,
+per suite and per kind of problem (a terminal problem's operations), the mean reward and, per group
+size, the groups with mixed rewards and their fraction. Temperature 0 is greedy decoding, as the
+held-out evaluations decode.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ def mixed_fraction(rewards_by_problem: dict[str, list[float]], k: int) -> tuple[
     groups = [rewards[:k] for rewards in rewards_by_problem.values() if len(rewards) >= k]
     mixed = sum(len(set(group)) > 1 for group in groups)
     return mixed, mixed / len(groups) if groups else 0.0
+
+
+def _kind(problem) -> str:
+    """The suite, and for a terminal problem its operations (create, rename, ...): which kinds of
+    problem the policy solves, and which it never does (those give no signal at any group size)."""
+    operations = problem.meta.get("operations")
+    return f"{problem.suite}:{'+'.join(operations)}" if operations else problem.suite
 
 
 def measure(
@@ -77,6 +86,10 @@ def measure(
     by_suite: dict[str, list[float]] = defaultdict(list)
     for problem_id, values in rewards.items():
         by_suite[problem_id.split("-")[0]].extend(values)
+    kind_of = {p.problem_id: _kind(p) for p in chosen}
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for problem_id, values in rewards.items():
+        by_kind[kind_of[problem_id]].extend(values)
     by_size = {}
     for k in range(2, group_size + 1, 2):
         mixed, fraction = mixed_fraction(rewards, k)
@@ -90,6 +103,11 @@ def measure(
             suite: round(sum(r == 1.0 for r in values) / len(values), 3)
             for suite, values in sorted(by_suite.items())
         },
+        "pass_rate_by_kind": {
+            kind: round(sum(r == 1.0 for r in values) / len(values), 3)
+            for kind, values in sorted(by_kind.items())
+        },
+        "executions_by_kind": {kind: len(values) for kind, values in sorted(by_kind.items())},
         "by_group_size": by_size,
         "minutes": round((time.monotonic() - started) / 60, 2),
     }
@@ -124,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in results:
         cells = " ".join(f"{v['fraction_mixed']:>10.3f}" for v in row["by_group_size"].values())
         print(f"{row['temperature']:>11} {row['pass_rate']:>9.3f} {cells}")
+    print(
+        f"{'kind':<20} {'executions':>10} " + " ".join(f"{'T=' + str(r['temperature']):>8}" for r in results)
+    )
+    for kind, count in results[0]["executions_by_kind"].items():
+        rates = " ".join(f"{r['pass_rate_by_kind'][kind]:>8.3f}" for r in results)
+        print(f"{kind:<20} {count:>10} {rates}")
     figures = {
         "config": args.config,
         "policy": config.policy,

@@ -17,7 +17,7 @@ Presets (`PRESETS`):
   * a step: 256 problems x 8 executions = 2,048 executions, one per rollout slot of the pool.
   * executions: turns lognormal per suite (three suites), 400 decoded + 1,150 context tokens per
     turn, context compressed at 128K; tool gaps lognormal with p50 1.6 s, p90 44 s, p99 ~700 s
-    per turn (the production coding-agent trace in SCHEDULER-NOTES); deadline 12 h (a timed-out
+    per turn (the production coding-agent trace in SCHEDULER-NOTES); deadline 16 h (a timed-out
     execution is graded from its workspace snapshot and trains on what it did).
 - `cpu-small`: four one-thread cells on a 2-core machine, the setup of `gyre bench learn --quick`
   (12 problems x 4 per step, concurrency 4, six-turn executions of the tiny policy). A FIRST,
@@ -144,6 +144,16 @@ class Preset:
     """ElasticConfig fields for this preset (dwell times scale with the step)."""
     async_splits: tuple[int, ...] = (1,)
     """Train-cell counts the async baseline is tried with; the best one is reported."""
+    problem_share: float = 0.0
+    """Share of the variance of an execution's log turns that belongs to its problem (0..1): the
+    members of a group then share their suite and that part of their length, as siblings do on a
+    real problem, and a problem's earlier executions predict it. 0: every execution draws its
+    length alone (the presets' default, and the figures of bench/results/schedule.json)."""
+    dispatch_order: str = "group"
+    """Which queued executions of a step start first: "group" (problem order, as sampled),
+    "predicted" (longest predicted first: the problem's expected duration, what its history in the
+    executions table tells; members of a group stay together) or "oracle" (each execution's true
+    duration: the limit of any predictor)."""
 
     @property
     def executions_per_step(self) -> int:
@@ -159,6 +169,10 @@ class Workload:
     gaps_s: np.ndarray  # [S, E, K] tool time after each segment
     train_tokens: np.ndarray  # [S, E] tokens trained if the execution completes
     batch1_s: np.ndarray  # [S, E] duration at batch-1 decode speed, capped by the deadline
+    predicted_s: np.ndarray | None = None
+    """[S, E] the expected batch-1 duration of each execution's problem (its members share it):
+    what a predictor that knows the problem's history can know before dispatch; None when the
+    workload has no per-problem part (problem_share 0) or was measured."""
 
 
 def _lognormal_sum(rng: np.random.Generator, n: np.ndarray, median: float, sigma: float) -> np.ndarray:
@@ -181,9 +195,22 @@ def sample_workload(preset: Preset, seed: int | None = None) -> Workload:
     def per_suite(attr: str) -> np.ndarray:
         return np.array([getattr(s, attr) for s in preset.suites])[suite]
 
-    turns = np.maximum(
-        1.0, np.round(np.exp(rng.normal(np.log(per_suite("turns_median")), per_suite("turns_sigma"))))
-    )
+    rho = preset.problem_share
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"{preset.name}: problem_share is {rho}, not within 0..1")
+    if rho == 0.0:
+        log_turns = rng.normal(np.log(per_suite("turns_median")), per_suite("turns_sigma"))
+        problem_log_turns = None
+    else:
+        g = preset.group_size
+        suite = np.repeat(suite[:, ::g], g, axis=1)  # a group's members solve one problem
+        median, sigma = np.log(per_suite("turns_median")), per_suite("turns_sigma")
+        member = rng.normal(0.0, 1.0, shape)
+        problem = np.repeat(np.random.default_rng([preset.seed if seed is None else seed, 1]).normal(
+            0.0, 1.0, (shape[0], shape[1] // g)), g, axis=1)  # fmt: skip
+        problem_log_turns = median + sigma * math.sqrt(rho) * problem
+        log_turns = problem_log_turns + sigma * math.sqrt(1.0 - rho) * member
+    turns = np.maximum(1.0, np.round(np.exp(log_turns)))
     per_segment = (turns / k)[..., None] * np.ones(k)
     out_per_turn = per_suite("output_tokens_per_turn")
     unique_per_turn = out_per_turn + per_suite("context_tokens_per_turn")
@@ -196,7 +223,14 @@ def sample_workload(preset: Preset, seed: int | None = None) -> Workload:
         gaps[mask] = _lognormal_sum(rng, per_segment[mask], s.gap_median_s, s.gap_sigma)
     train = turns * unique_per_turn * per_suite("trained_share")
     batch1 = np.minimum((decode * preset.engine.latency(1, context) + gaps).sum(axis=-1), preset.deadline_s)
-    return Workload(decode, context, gaps, train, batch1)
+    predicted = None
+    if problem_log_turns is not None:  # the problem's median member: its turns at the mean tool gap
+        expected_turns = np.maximum(1.0, np.exp(problem_log_turns))
+        mid_context = np.minimum(expected_turns * unique_per_turn / 2, preset.engine.max_context)
+        gap_mean = per_suite("gap_median_s") * np.exp(per_suite("gap_sigma") ** 2 / 2)
+        per_turn = out_per_turn * preset.engine.latency(1, mid_context) + gap_mean
+        predicted = np.minimum(expected_turns * per_turn, preset.deadline_s)
+    return Workload(decode, context, gaps, train, batch1, predicted)
 
 
 GAP_TRACE = {"gap_median_s": 1.6, "gap_sigma": 2.59}  # p50 1.6 s, p90 44 s, p99 ~700 s

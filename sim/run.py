@@ -21,7 +21,9 @@ Figures: makespan, idle fraction per role (device-seconds without work over devi
 the role; a rollout cell works in proportion to the slots it fills, sessions hosted over
 sessions_per_cell, the same unit as the bound's work term; a train cell works while the step
 being trained has micro-batches or its update runs; switching time counts as idle in the role
-being entered), switches, and the lower bound max(work term, chain term) of `lower_bound`.
+being entered), switches, and the lower bound max(work term, chain term) of `lower_bound`; per
+step (means), how long its dispatches spread (executions waiting for slots) and how long from its
+first dispatch to its last execution's end.
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ class RunResult:
     share_over_4h: float
     """Executions that ran 4 hours or more, as simulated."""
     bound: Bound
+    dispatch_spread_s: float
+    """Mean over steps of the time from a step's first dispatch to its last: how long its
+    executions waited for slots."""
+    step_span_s: float
+    """Mean over steps of the time from a step's first dispatch to its last execution's end (the
+    chain term counts the longest execution alone)."""
     events: int
     wall_s: float
     """Seconds the simulation itself took."""
@@ -99,6 +107,8 @@ class RunResult:
             "bound_work_s": round(self.bound.work_s, 1),
             "bound_chain_s": round(self.bound.chain_s, 1),
             "over_lower_bound": round(self.over_bound, 4),
+            "dispatch_spread_s": round(self.dispatch_spread_s, 1),
+            "step_span_s": round(self.step_span_s, 1),
             "events": self.events,
             "sim_wall_s": round(self.wall_s, 2),
         }
@@ -168,6 +178,9 @@ class _Tally:
     max_lag: int = 0
     over_4h: int = 0
     finished: int = 0
+    first_dispatch: dict[int, float] = field(default_factory=dict)  # step -> seconds
+    last_dispatch: dict[int, float] = field(default_factory=dict)
+    last_finish: dict[int, float] = field(default_factory=dict)
 
 
 class Simulation:
@@ -188,6 +201,7 @@ class Simulation:
         self.ready_train = 1
         self.slots: list[tuple[int, int]] = [(0, c.idx) for c in self.cells if c.role == "rollout"]
         self.execs = [[_Exec(s, i) for i in range(preset.executions_per_step)] for s in range(preset.steps)]
+        self._order_dispatch()
         n_groups, size = preset.groups_per_step, preset.group_size
         self.steps = _Steps(
             dispatched=[0] * preset.steps,
@@ -205,6 +219,26 @@ class Simulation:
         self.unfinished_by_version: dict[int, int] = {}
         self.tally = _Tally()
         self.makespan = math.nan
+
+    def _order_dispatch(self) -> None:
+        """Each step's executions in the order they start (`Preset.dispatch_order`); a stable sort,
+        so the members of a group with one prediction stay together."""
+        order = self.p.dispatch_order
+        if order == "group":
+            return
+        if order == "predicted":
+            if self.work.predicted_s is None:
+                raise ValueError(
+                    f"{self.p.name}: dispatch_order 'predicted' needs a workload with a per-problem part "
+                    "(set problem_share above 0): there is nothing to predict a problem's length from"
+                )
+            key = self.work.predicted_s
+        elif order == "oracle":
+            key = self.work.batch1_s
+        else:
+            raise ValueError(f"{self.p.name}: dispatch_order {order!r}: choose group, predicted or oracle")
+        for step, execs in enumerate(self.execs):
+            execs.sort(key=lambda e: -key[step, e.index])
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -236,6 +270,10 @@ class Simulation:
             max_policy_lag=t.max_lag,
             share_over_4h=t.over_4h / max(t.finished, 1),
             bound=bound,
+            dispatch_spread_s=sum(t.last_dispatch[i] - t.first_dispatch[i] for i in t.first_dispatch)
+            / max(len(t.first_dispatch), 1),
+            step_span_s=sum(t.last_finish[i] - t.first_dispatch[i] for i in t.first_dispatch)
+            / max(len(t.first_dispatch), 1),
             events=count,
             wall_s=time.perf_counter() - started,
         )
@@ -352,6 +390,8 @@ class Simulation:
         if first + count > self.p.executions_per_step:
             raise RuntimeError(f"the policy dispatched more executions of step {step} than it holds")
         s.dispatched[step] += count
+        self.tally.first_dispatch.setdefault(step, self.now)
+        self.tally.last_dispatch[step] = self.now
         for e in self.execs[step][first : first + count]:
             e.version, e.started = self.version, self.now
             self.dispatched += 1
@@ -473,6 +513,7 @@ class Simulation:
         t.finished += 1
         t.timeouts += timeout
         t.over_4h += self.now - e.started >= 4 * 3600
+        t.last_finish[e.step] = self.now
         share = (e.segment + 0.5) / self.p.segments if timeout else 1.0
         s = self.steps
         group = e.index // self.p.group_size

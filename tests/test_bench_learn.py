@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bench.learn import held_out_results, paired_bootstrap
-from bench.signal import mixed_fraction
+from bench.signal import _kind, mixed_fraction
+from environments.problems import generate
 from trajectory_store.recorder import Recorder
 from trajectory_store.storage import Store
 
@@ -37,3 +38,11 @@ def test_mixed_fraction_counts_groups_whose_first_k_rewards_differ():
     assert mixed_fraction(rewards, 2) == (1, 1 / 3)  # a's first two agree, c's differ, d too short
     assert mixed_fraction(rewards, 4) == (1, 1 / 2)  # only a and b have four members
     assert mixed_fraction({}, 2) == (0, 0.0)
+
+
+def test_a_problem_kind_names_its_suite_and_a_terminal_problem_its_operations():
+    terminal = generate("terminal", 3, seed=20000, difficulty=2, length=1)
+    for problem in terminal:
+        operations = problem.meta["operations"]
+        assert len(operations) == 2 and _kind(problem) == "terminal:" + "+".join(operations)
+    assert {_kind(p) for p in generate("swe", 2, seed=20000, difficulty=1, length=1)} == {"swe"}

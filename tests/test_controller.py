@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.schedule_real import RealBench, RealWork
+from bench.schedule_real import RealBench, RealWork, cpu_busy
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 
@@ -26,6 +26,7 @@ def test_elastic_runs_two_steps_on_real_cells(tmp_path):
 
     assert figures["errors"] == []
     assert figures["executions"] == 12
+    assert 0 < figures["cpu_busy"] <= 1  # the cells kept the cores busy some of the time, never more
     assert [s["version"] for s in figures["steps"]] == [1, 2]
     assert figures["switch_to_train_s"], "no cell moved to training"
     assert figures["switch_to_rollout_s"], "no cell came back to rollout"
@@ -44,3 +45,9 @@ def test_elastic_runs_two_steps_on_real_cells(tmp_path):
     con.close()
     assert sum(statuses.values()) == 12 and set(statuses) <= {"completed", "timeout"}
     assert all(version >= step - lag for step, version in oldest.items()), oldest
+
+
+def test_cpu_busy_is_the_busy_share_of_the_cores_time():
+    assert cpu_busy((100, 400), (160, 500)) == 0.6
+    assert cpu_busy(None, (1, 2)) is None
+    assert cpu_busy((5, 10), (5, 10)) is None  # no time passed: no figure rather than a division by zero

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from cli.main import main as gyre
 from scheduler.policy import make_policy
 from sim.presets import PAPER_FLAGSHIP, PRESETS, Cluster, sample_workload
-from sim.run import simulate
+from sim.run import Simulation, simulate
 
 # The flagship's shape on 16 cells (128 devices) and 4 steps: the same tails, a second to run.
 SMALL_FLAGSHIP = dataclasses.replace(
@@ -51,6 +52,7 @@ def test_makespan_is_never_below_the_lower_bound(preset, name):
     result = run(preset, name)
     assert result.makespan_s >= result.bound.seconds
     assert 0 <= result.idle_train <= 1 and 0 <= result.idle_rollout <= 1
+    assert 0 <= result.dispatch_spread_s < result.step_span_s < result.makespan_s
     assert result.max_policy_lag == RUNS[name][1] - 1
 
 
@@ -74,9 +76,53 @@ def test_gyre_bench_schedule_quick_writes_its_json(tmp_path):
     )
     report = json.loads(out.read_text())
     figures = report["presets"]["cpu-small"]
-    assert set(figures["policies"]) == {"colocate", "async", "elastic", "elastic-sync"}
+    assert set(figures["policies"]) == {"colocate", "async", "elastic", "elastic-sync", "elastic-oracle"}
     assert figures["async_split"]["train_cells"] in PRESETS["cpu-small"].async_splits
     assert figures["elastic_over_async"] > 0 and figures["elastic_over_colocate"] > 0
     row = figures["policies"]["elastic"]
     for key in ("makespan_s", "idle_train", "idle_rollout", "switches", "lower_bound_s", "over_lower_bound"):
         assert key in row
+
+
+def test_a_problem_share_gives_siblings_one_suite_and_a_shared_length():
+    preset = dataclasses.replace(SMALL_FLAGSHIP, problem_share=0.95)
+    work = sample_workload(preset)
+    g = preset.group_size
+    by_group = work.predicted_s.reshape(preset.steps, -1, g)
+    assert (by_group == by_group[..., :1]).all()  # one prediction per problem
+    assert by_group[..., 0].std() > 0  # problems differ
+    tokens = work.decode_tokens.sum(axis=-1).reshape(preset.steps, -1, g)  # decode tokens ~ turns
+    within = np.log(tokens).std(axis=-1).mean()
+    across = np.log(tokens).mean(axis=-1).std()
+    assert within < across / 2  # siblings are alike, problems are not
+    assert sample_workload(SMALL_FLAGSHIP).predicted_s is None  # no per-problem part: nothing to predict
+    with pytest.raises(ValueError, match=r"problem_share is 1\.5"):
+        sample_workload(dataclasses.replace(SMALL_FLAGSHIP, problem_share=1.5))
+
+
+def test_oracle_order_starts_each_step_longest_first():
+    preset = dataclasses.replace(SMALL_FLAGSHIP, dispatch_order="oracle")
+    simulation = Simulation(preset, make_policy("elastic", **preset.elastic))
+    result = simulation.run("elastic-oracle", 2)
+    assert result.makespan_s >= result.bound.seconds
+    work = simulation.work
+    for step, execs in enumerate(simulation.execs):
+        started = sorted(execs, key=lambda e: (e.started, -work.batch1_s[step, e.index]))
+        durations = [work.batch1_s[step, e.index] for e in started]
+        assert durations == sorted(durations, reverse=True)
+
+
+def test_dispatch_order_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="needs a workload with a per-problem part"):
+        Simulation(dataclasses.replace(SMALL_FLAGSHIP, dispatch_order="predicted"), make_policy("elastic"))
+    with pytest.raises(ValueError, match="choose group, predicted or oracle"):
+        Simulation(dataclasses.replace(SMALL_FLAGSHIP, dispatch_order="shortest"), make_policy("elastic"))
+    preset = dataclasses.replace(SMALL_FLAGSHIP, problem_share=0.9, dispatch_order="predicted")
+    simulation = Simulation(preset, make_policy("elastic", **preset.elastic))
+    for step, execs in enumerate(simulation.execs):
+        keys = [simulation.work.predicted_s[step, e.index] for e in execs]
+        assert keys == sorted(keys, reverse=True)
+        members = [e.index // preset.group_size for e in execs]
+        assert all(members.count(m) == preset.group_size for m in set(members))
+        runs = [m for i, m in enumerate(members) if i == 0 or members[i - 1] != m]
+        assert len(runs) == len(set(members))  # a group's members are dispatched together

@@ -48,6 +48,7 @@ def test_gyre_sim_prints_and_writes_the_comparison(tmp_path, capsys):
         "async",
         "elastic",
         "elastic-sync",
+        "elastic-oracle",
     }
 
 
