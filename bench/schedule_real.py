@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -190,15 +189,10 @@ class RealBench:
             FROM executions e LEFT JOIN calls c USING (execution_id)
             WHERE e.status <> 'abandoned'
             GROUP BY ALL
-            ORDER BY e.execution_id
             """
         ).fetchall()
         con.close()
-        # a member run again (its first attempt abandoned) is recorded as <id>-a<k>: the member's
-        # figures are those of its last attempt
-        by_id: dict[str, tuple] = {}
-        for r in sorted(rows, key=lambda r: _attempt(r[0])):
-            by_id[re.sub(r"-a\d+$", "", r[0])] = r
+        by_id = {r[0]: r for r in rows}
         rewards: dict[str, set[float]] = {}
         for r in rows:
             rewards.setdefault(r[1], set()).add(round(r[2] or 0.0, 6))
@@ -206,7 +200,12 @@ class RealBench:
         for step in work.steps_work():
             row = []
             for problem, member in step.members():
-                key = execution_id_for(step.step, Problem.from_json(problem), member, label)
+                # a member run again after its first attempt was abandoned ended under -a<k>
+                attempts = [
+                    execution_id_for(step.step, Problem.from_json(problem), member, label, attempt)
+                    for attempt in range(len(rows) + 1)
+                ]
+                key = next((a for a in attempts if a in by_id), attempts[0])
                 if key not in by_id:
                     raise RuntimeError(
                         f"the {label} run recorded no execution {key} (it holds {len(by_id)}: "
@@ -234,12 +233,6 @@ class RealBench:
             to_train_s=float(np.median(figures["switch_to_train_s"] or [0.0])),
             to_rollout_s=float(np.median(figures["switch_to_rollout_s"] or [0.0])),
         )
-
-
-def _attempt(execution_id: str) -> int:
-    """k of an id ending in -a<k> (execution_id_for), 0 for a first attempt."""
-    found = re.search(r"-a(\d+)$", execution_id)
-    return int(found.group(1)) if found else 0
 
 
 def cpu_times() -> tuple[int, int] | None:
