@@ -181,7 +181,11 @@ def main(quick: bool = False, out: str = DEFAULT_OUT, preset: str | None = None,
         from bench.schedule_real import compare  # starts engines, the gateway and replica processes
 
         print("\nreal: the three policies on this machine's CPU (same problems, same 4 cells)", flush=True)
-        report["real"] = compare(quick)
+        # every run's executions beside the figures: `python -m bench.schedule_real --measured FILE`
+        # checks a changed simulator against them without running anything again
+        measured = str(Path(out).with_name(Path(out).stem + "-measured.json"))
+        report["real"] = compare(quick, measured_out=measured)
+        report["real"]["measured_file"] = measured
         report["sim_vs_real_error"] = report["real"]["sim_vs_real_error"]
         report["switch_s"] = report["real"]["switch_s"]
         print_real(report["real"])

@@ -36,7 +36,8 @@ from environments.problems import Problem
 from scheduler.cells import Admin
 from scheduler.controller import Controller, RunReport, StepWork
 from scheduler.policy import make_policy
-from sim.calibrate import Execution, MeasuredRun, calibrate, predict
+from sim.calibrate import Execution, MeasuredRun, calibrate, load_measured, predict, save_measured
+from sim.presets import Preset
 from tasks.campaign import problems_for
 from tasks.schedule import CampaignRuntime, cell_pool, run_controller
 from tasks.services import Services, serve_version
@@ -232,6 +233,7 @@ class RealBench:
             post_rollout_s=[s["ended_s"] - s["rolled_out_s"] for s in figures["steps"]],
             to_train_s=float(np.median(figures["switch_to_train_s"] or [0.0])),
             to_rollout_s=float(np.median(figures["switch_to_rollout_s"] or [0.0])),
+            cpu_busy=figures["cpu_busy"],
         )
 
 
@@ -290,11 +292,42 @@ CALIBRATION_SEED = 8000  # the calibration run's problems; the compared runs use
 ROUNDS = 2  # every policy runs this many times, in turn (quick: once): the machine's noise, measured
 
 
-def compare(quick: bool = False, root: str | None = None, rounds: int | None = None) -> dict[str, Any]:
+def sim_check(measured: dict[str, list[MeasuredRun]]) -> tuple[Preset, dict[str, dict[str, Any]]]:
+    """The simulator calibrated on the `calibration` run predicting every run of every policy: the
+    calibrated machine, and per policy the mean real and simulated makespans and the worst round's
+    error (`python -m bench.schedule_real --measured FILE` does it again on saved runs)."""
+    machine = calibrate(measured["calibration"][0], make_policy("colocate"), CELLS, SESSIONS_PER_CELL)
+    sim_vs_real = {}
+    for label, (policy, params) in POLICIES.items():
+        spans = [run.makespan_s for run in measured[label]]
+        predicted = [
+            predict(machine, run, make_policy(policy, **params), 1 if label == "colocate" else 2)
+            for run in measured[label]
+        ]
+        errors = [abs(p - r) / r for p, r in zip(predicted, spans, strict=True)]
+        sim_vs_real[label] = {
+            "real_s": round(float(np.mean(spans)), 2),
+            "sim_s": round(float(np.mean(predicted)), 2),
+            "error": round(max(errors), 4),  # the worst round
+            "rounds": [
+                {"real_s": r, "sim_s": round(p, 2), "error": round(e, 4)}
+                for p, r, e in zip(predicted, spans, errors, strict=True)
+            ],
+        }
+        for p, r, e in zip(predicted, spans, errors, strict=True):
+            print(f"sim {label:<12} predicted {p:7.1f} s  real {r:7.1f} s  error {e:.1%}")
+    return machine, sim_vs_real
+
+
+def compare(
+    quick: bool = False, root: str | None = None, rounds: int | None = None, measured_out: str | None = None
+) -> dict[str, Any]:
     """Every policy of POLICIES on the same work and cells, `rounds` times in turn (colocate, async,
     elastic, colocate, ...), then the simulator calibrated on a colocate run of other problems
     predicting each run: the `real` section of schedule.json. A policy's makespan is the mean over
-    its rounds (`makespan_rounds_s` has each); its other figures are its first round's."""
+    its rounds (`makespan_rounds_s` has each); its other figures are its first round's.
+    `measured_out`: also write every run's executions there (JSON, `sim.calibrate.save_measured`),
+    so `python -m sim.calibrate FILE` checks the simulator against them again without the runs."""
     rounds = rounds or (1 if quick else ROUNDS)
     work = RealWork(steps=2 if quick else 3, problems_per_step=6 if quick else 8, group_size=2, seed=7000)
     calibration_work = dataclasses.replace(work, seed=CALIBRATION_SEED)
@@ -331,16 +364,13 @@ def compare(quick: bool = False, root: str | None = None, rounds: int | None = N
     if own:
         shutil.rmtree(root, ignore_errors=True)
     measured = {label: [row.pop("measured") for row in rows] for label, rows in runs_of.items()}
+    if measured_out:
+        save_measured(measured, measured_out)
     calibration = runs_of.pop("calibration")[0]
-    machine = calibrate(measured["calibration"][0], make_policy("colocate"), CELLS, SESSIONS_PER_CELL)
+    machine, sim_vs_real = sim_check(measured)
     rows: dict[str, dict[str, Any]] = {}
-    sim_vs_real = {}
-    for label, (policy, params) in POLICIES.items():
+    for label in POLICIES:
         spans = [row["makespan_s"] for row in runs_of[label]]
-        predicted = [
-            predict(machine, run, make_policy(policy, **params), 1 if label == "colocate" else 2)
-            for run in measured[label]
-        ]
         rows[label] = {
             **runs_of[label][0],
             "makespan_s": round(float(np.mean(spans)), 2),
@@ -349,18 +379,6 @@ def compare(quick: bool = False, root: str | None = None, rounds: int | None = N
         }
         busy = [b for b in rows[label]["cpu_busy_rounds"] if b is not None]
         rows[label]["cpu_busy"] = round(float(np.mean(busy)), 3) if busy else None
-        errors = [abs(p - r) / r for p, r in zip(predicted, spans, strict=True)]
-        sim_vs_real[label] = {
-            "real_s": rows[label]["makespan_s"],
-            "sim_s": round(float(np.mean(predicted)), 2),
-            "error": round(max(errors), 4),  # the worst round
-            "rounds": [
-                {"real_s": r, "sim_s": round(p, 2), "error": round(e, 4)}
-                for p, r, e in zip(predicted, spans, errors, strict=True)
-            ],
-        }
-        for p, r, e in zip(predicted, spans, errors, strict=True):
-            print(f"sim {label:<12} predicted {p:7.1f} s  real {r:7.1f} s  error {e:.1%}")
     to_train = [s for runs in runs_of.values() for row in runs for s in row["switch_to_train_s"]]
     to_rollout = [s for runs in runs_of.values() for row in runs for s in row["switch_to_rollout_s"]]
     elastic = rows["elastic"]["makespan_s"]
@@ -423,8 +441,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
+    parser.add_argument("--measured-out", default=None, help="also write every run's executions here (JSON)")
+    parser.add_argument(
+        "--measured", default=None, help="no runs: check the simulator against the runs saved in this file"
+    )
     args = parser.parse_args()
-    figures = compare(args.quick)
+    if args.measured:
+        machine, checked = sim_check(load_measured(args.measured))
+        print(json.dumps({"update_s": round(machine.trainer.update_s, 2), "sim_vs_real": checked}, indent=1))
+        return 0
+    figures = compare(args.quick, measured_out=args.measured_out)
     print(json.dumps({k: v for k, v in figures.items() if k != "policies"}, indent=1))
     if args.out:
         with open(args.out, "w") as handle:

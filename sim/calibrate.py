@@ -18,6 +18,7 @@ makespan of the other runs (every policy, on other problems) without seeing them
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,8 @@ from sim.presets import Cluster, EngineModel, Preset, Suite, TrainerModel, Workl
 from sim.run import simulate
 
 SEGMENTS = 3
+SHARED_CORES = 2  # this machine's cores, shared by every cell
+TRAIN_TOKENS_PER_S = 320  # one trainer cell (bench/results/train.json)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,26 @@ class MeasuredRun:
     post_rollout_s: list[float]  # per step: the last execution's end -> the next version served
     to_train_s: float
     to_rollout_s: float
+    cpu_busy: float | None = None  # share of the cores' time spent busy during the run (/proc/stat)
+
+
+def save_measured(runs: dict[str, list[MeasuredRun]], path: str) -> None:
+    """Every run, by label (`calibration` is the one `calibrate` fits), as JSON."""
+    with open(path, "w") as handle:
+        json.dump({label: [dataclasses.asdict(r) for r in rs] for label, rs in runs.items()}, handle)
+
+
+def load_measured(path: str) -> dict[str, list[MeasuredRun]]:
+    """What `save_measured` wrote."""
+    with open(path) as handle:
+        raw = json.load(handle)
+    runs = {}
+    for label, rows in raw.items():
+        runs[label] = [
+            MeasuredRun(**{**r, "executions": [[Execution(**e) for e in step] for step in r["executions"]]})
+            for r in rows
+        ]
+    return runs
 
 
 def measured_workload(run: MeasuredRun) -> Workload:
@@ -100,7 +123,7 @@ def machine(
         suites=(Suite("measured", 1.0, 1, 0.0, 1, 0, 0.0, 0.0),),  # unused: workloads are measured
         deadline_s=10_000,
         segments=SEGMENTS,
-        cluster=Cluster(cells=cells, devices_per_cell=1, shared_cores=2),
+        cluster=Cluster(cells=cells, devices_per_cell=1, shared_cores=SHARED_CORES),
         engine=EngineModel(
             sessions_per_cell=sessions_per_cell,
             latency_fixed_s=latency_s,
@@ -110,7 +133,7 @@ def machine(
             kv_bytes_per_token=4096,
             migrate_bytes_per_s=1e9,
         ),
-        trainer=TrainerModel(tokens_per_s=320, update_s=update_s),  # bench/results/train.json
+        trainer=TrainerModel(tokens_per_s=TRAIN_TOKENS_PER_S, update_s=update_s),
         to_train_s=to_train_s,
         to_rollout_s=to_rollout_s,
         tick_s=0.25,
@@ -118,8 +141,15 @@ def machine(
 
 
 def calibrate(run: MeasuredRun, policy: Policy, cells: int, sessions_per_cell: int) -> Preset:
-    """The machine fitted to one real run under `policy` (colocate: its steps show the update)."""
-    update_s = max(float(np.median(run.post_rollout_s)) - run.to_train_s - run.to_rollout_s, 0.1)
+    """The machine fitted to one real run under `policy` (colocate: its steps show the update).
+
+    The update is what a colocate step spends after its last execution ends, less the switches and
+    less the training of the step's tokens: the simulator trains those itself, on every cell. The
+    decode latency is bisected so that the simulated makespan of `run` equals the measured one."""
+    tokens = [sum(e.trained_tokens for e in step) for step in run.executions]
+    rate = cells * TRAIN_TOKENS_PER_S * min(1.0, SHARED_CORES / cells)
+    after = [post - t / rate for post, t in zip(run.post_rollout_s, tokens, strict=True)]
+    update_s = max(float(np.median(after)) - run.to_train_s - run.to_rollout_s, 0.1)
     work = measured_workload(run)
 
     def makespan(latency_s: float) -> float:

@@ -98,7 +98,8 @@ class TrainerModel:
     tokens_per_s: float
     """Training tokens per second of one cell (streaming micro-batches)."""
     update_s: float
-    """Seconds of the optimizer update, weight publication and engine hot-swap after a step."""
+    """Seconds of the optimizer update, weight publication and engine hot-swap after a step, with
+    the core alone on its cores (on shared cores it takes longer while engines decode)."""
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ class RunResult:
     events: int
     wall_s: float
     """Seconds the simulation itself took."""
+    cpu_busy: float | None = None
+    """CPU presets: the share of the shared cores' time the cells kept busy."""
 
     @property
     def over_bound(self) -> float:
@@ -111,6 +113,7 @@ class RunResult:
             "step_span_s": round(self.step_span_s, 1),
             "events": self.events,
             "sim_wall_s": round(self.wall_s, 2),
+            **({} if self.cpu_busy is None else {"cpu_busy": round(self.cpu_busy, 4)}),
         }
 
 
@@ -181,6 +184,7 @@ class _Tally:
     first_dispatch: dict[int, float] = field(default_factory=dict)  # step -> seconds
     last_dispatch: dict[int, float] = field(default_factory=dict)
     last_finish: dict[int, float] = field(default_factory=dict)
+    core_busy_s: float = 0.0  # shared cores only: core-seconds of work
 
 
 class Simulation:
@@ -212,6 +216,7 @@ class Simulation:
         )
         self.version = 0
         self.updating = False
+        self.update_left = 0.0  # seconds of the update left at full speed
         self.train_mark = 0.0
         self.train_gen = 0
         self.dispatched = 0
@@ -276,6 +281,9 @@ class Simulation:
             / max(len(t.first_dispatch), 1),
             events=count,
             wall_s=time.perf_counter() - started,
+            cpu_busy=None
+            if self.p.cluster.shared_cores is None
+            else t.core_busy_s / (self.p.cluster.shared_cores * self.makespan),
         )
 
     def _push(self, when: float, kind: int, target: object = None, gen: int = 0) -> None:
@@ -303,7 +311,7 @@ class Simulation:
         elif kind == TRAIN_DRAINED:
             if gen == self.train_gen:
                 self._training_changed()
-        elif kind == UPDATE_DONE:
+        elif kind == UPDATE_DONE and gen == self.train_gen:  # a rescheduled update leaves a stale copy
             self._update_done()
 
     # ---- the controller -------------------------------------------------------------------------
@@ -437,6 +445,7 @@ class Simulation:
         cell.sessions.discard(e)
         cell.kv_tokens -= float(self.work.context[e.step, e.index, min(e.segment, self.p.segments - 1)])
         if e.decoding:
+            self._cores_changing()
             cell.decoding -= 1
             e.decoding = False
         if cell.role == "rollout" and cell.phase == "ready":
@@ -444,22 +453,32 @@ class Simulation:
         e.cell = -1
         return cell
 
+    def _demand(self) -> int:
+        """Cores wanted now: each decoding or training cell one (during the update only the core
+        works: optimizer step, checkpoint, publication; the satellites wait)."""
+        training = 1 if self.updating else self._train_cells() if self._training() else 0
+        return sum(1 for c in self.cells if c.decoding > 0) + training
+
     def _speed(self) -> float:
-        """CPU presets share cores between the active cells; GPU cells run at full speed."""
+        """CPU presets share cores between everything that wants one; GPU cells run at full speed."""
         cores = self.p.cluster.shared_cores
         if cores is None:
             return 1.0
-        active = sum(1 for c in self.cells if c.decoding > 0) + (
-            self._train_cells() if self._training() else 0
-        )
-        return min(1.0, cores / max(active, 1))
+        return min(1.0, cores / max(self._demand(), 1))
+
+    def _cores_changing(self) -> None:
+        """A cell starts or stops decoding: on shared cores that changes everyone's speed, so the
+        training is integrated up to now at the speed it had (the next tick reschedules its end)."""
+        if self.p.cluster.shared_cores is not None:
+            self._advance_training()
 
     def _start_decode(self, e: _Exec, delay: float, tokens: float) -> None:
         """Decodes `tokens` after `delay` at the latency of the engine's batch as it is now."""
         cell = self.cells[e.cell]
         context = float(self.work.context[e.step, e.index, e.segment])
-        e.latency = self.p.engine.latency(cell.decoding + 1, context) / self._speed()
+        self._cores_changing()
         cell.decoding += 1
+        e.latency = self.p.engine.latency(cell.decoding, context) / self._speed()
         e.decoding = True
         self._schedule(e, self.now + delay + tokens * e.latency, DECODE_END)
 
@@ -469,6 +488,7 @@ class Simulation:
         self._push(when, kind, e, e.gen)
 
     def _decode_end(self, e: _Exec) -> None:
+        self._cores_changing()
         self.cells[e.cell].decoding -= 1
         e.decoding = False
         self._schedule(e, self.now + float(self.work.gaps_s[e.step, e.index, e.segment]), GAP_END)
@@ -534,21 +554,33 @@ class Simulation:
         return self.version < self.p.steps and (self.updating or self.steps.backlog[self.version] > 0)
 
     def _advance_training(self) -> None:
-        """Trains the oldest untrained step's backlog from the last mark to now."""
+        """Trains the oldest untrained step's backlog from the last mark to now (and, on shared
+        cores, counts the core-seconds used since the mark: nothing changed in between)."""
         dt = self.now - self.train_mark
         self.train_mark = self.now
+        if dt > 0 and self.p.cluster.shared_cores is not None:
+            self.tally.core_busy_s += dt * min(self.p.cluster.shared_cores, self._demand())
         if dt <= 0 or not self._training():
             return
         cells = self._train_cells()
         self.tally.busy_s["train"] += cells * dt
-        if not self.updating:
+        if self.updating:
+            self.update_left -= dt * self._speed()
+        else:
             rate = cells * self.p.trainer.tokens_per_s * self._speed()
             self.steps.backlog[self.version] = max(0.0, self.steps.backlog[self.version] - rate * dt)
 
     def _training_changed(self) -> None:
         """Reschedules the drain of the backlog, or starts the update once the batch is done."""
         self._advance_training()
-        if self.updating or self.version >= self.p.steps:
+        if self.version >= self.p.steps:
+            return
+        if self.updating:
+            if self.p.cluster.shared_cores is not None:  # its speed may have changed since it started
+                self.train_gen += 1
+                self._push(
+                    self.now + max(self.update_left, 0.0) / self._speed(), UPDATE_DONE, None, self.train_gen
+                )
             return
         self.train_gen += 1
         backlog = self.steps.backlog[self.version]
@@ -558,11 +590,16 @@ class Simulation:
                 self._push(self.now + backlog / rate, TRAIN_DRAINED, self.train_gen)
         elif self.steps.finished_groups[self.version] == self.p.groups_per_step:
             self.steps.backlog[self.version] = 0.0
-            self.updating = True
-            self._push(self.now + self.p.trainer.update_s, UPDATE_DONE)
+            # on shared cores the update is CPU work like any other: it slows while engines decode
+            self.updating, self.update_left = True, self.p.trainer.update_s
+            self._push(self.now + self.update_left / self._speed(), UPDATE_DONE, None, self.train_gen)
 
     def _update_done(self) -> None:
         self._advance_training()
+        if self.p.cluster.shared_cores is not None and self.update_left > 1e-6 * self.p.trainer.update_s:
+            # slowed down since it was scheduled: not done yet
+            self._training_changed()
+            return
         self.updating = False
         self.version += 1
         if self.version == self.p.steps:

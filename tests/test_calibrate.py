@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 
 from scheduler.policy import make_policy
-from sim.calibrate import SEGMENTS, Execution, MeasuredRun, calibrate, measured_workload, predict
+from sim.calibrate import (
+    SEGMENTS,
+    Execution,
+    MeasuredRun,
+    calibrate,
+    load_measured,
+    measured_workload,
+    predict,
+    save_measured,
+)
 
 
 def _run(seed: int, makespan_s: float, steps: int = 2, per_step: int = 8) -> MeasuredRun:
@@ -44,7 +53,8 @@ def test_calibration_reproduces_its_run_and_predicts_more_work_slower():
     run = _run(2, 80.0)
     colocate = make_policy("colocate")
     machine = calibrate(run, colocate, cells=4, sessions_per_cell=2)
-    assert machine.trainer.update_s == pytest.approx(6.0 - 0.2)
+    # the post-rollout time less the switches and the step's 400 trained tokens on 4 cells of 2 cores
+    assert machine.trainer.update_s == pytest.approx(6.0 - 0.2 - 400 / (4 * 320 * 0.5))
     assert predict(machine, run, colocate, 1) == pytest.approx(80.0, rel=0.01)
     longer = dataclasses.replace(
         run,
@@ -57,3 +67,9 @@ def test_calibration_reproduces_its_run_and_predicts_more_work_slower():
     with pytest.raises(ValueError, match="step 1 of the colocate run has 7 executions"):
         measured_workload(dataclasses.replace(run, executions=[run.executions[0], run.executions[1][:7]]))
     assert np.isfinite(predict(machine, run, make_policy("elastic", min_dwell_s=1.0, gain_factor=0.0), 2))
+
+
+def test_saved_runs_load_as_they_were(tmp_path):
+    runs = {"calibration": [_run(5, 70.0)], "elastic": [_run(6, 60.0), _run(7, 61.0)]}
+    save_measured(runs, str(tmp_path / "measured.json"))
+    assert load_measured(str(tmp_path / "measured.json")) == runs

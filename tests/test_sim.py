@@ -126,3 +126,17 @@ def test_dispatch_order_refuses_what_it_cannot_do():
         assert all(members.count(m) == preset.group_size for m in set(members))
         runs = [m for i, m in enumerate(members) if i == 0 or members[i - 1] != m]
         assert len(runs) == len(set(members))  # a group's members are dispatched together
+
+
+def test_on_shared_cores_the_update_competes_with_the_engines():
+    """The CPU presets share their cores: the update, CPU work like any other, takes longer while
+    engines decode (async overlaps them), and the run reports how busy it kept the cores."""
+    work = sample_workload(SMALL_TAIL, 3)
+    slow = dataclasses.replace(SMALL_TAIL, trainer=dataclasses.replace(SMALL_TAIL.trainer, update_s=20.0))
+    async_ = make_policy("async", train_cells=2)
+    shared = simulate(slow, async_, "async", 2, work)
+    assert 0 < shared.cpu_busy <= 1
+    apart = dataclasses.replace(slow, cluster=dataclasses.replace(slow.cluster, shared_cores=None))
+    # the same campaign on cells that do not share cores: the 20 s updates no longer slow down
+    assert shared.makespan_s > simulate(apart, async_, "async", 2, work).makespan_s
+    assert run(SMALL_FLAGSHIP, "colocate").cpu_busy is None  # GPU cells do not share cores
