@@ -105,6 +105,9 @@ def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> di
                 "pass_rate": round(r.metrics.get("pass_rate", 0.0), 4),
                 "executions_trained": int(r.metrics.get("executions_trained", 0.0)),
                 "step_s": round(r.metrics.get("step_s", 0.0), 1),
+                # how far the update moved: the trained tokens' entropy and the gradient's norm
+                "entropy": round(r.metrics.get("entropy", 0.0), 4),
+                "grad_norm": round(r.metrics.get("grad_norm", 0.0), 4),
             }
             for r in records
         ],
