@@ -327,7 +327,7 @@ def compare(
     predicting each run: the `real` section of schedule.json. A policy's makespan is the mean over
     its rounds (`makespan_rounds_s` has each); its other figures are its first round's.
     `measured_out`: also write every run's executions there (JSON, `sim.calibrate.save_measured`),
-    so `python -m sim.calibrate FILE` checks the simulator against them again without the runs."""
+    so `python -m bench.schedule_real --measured FILE` checks the simulator against them again."""
     rounds = rounds or (1 if quick else ROUNDS)
     work = RealWork(steps=2 if quick else 3, problems_per_step=6 if quick else 8, group_size=2, seed=7000)
     calibration_work = dataclasses.replace(work, seed=CALIBRATION_SEED)
