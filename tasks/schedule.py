@@ -460,11 +460,13 @@ class SchedulerDied(RuntimeError):
     pass
 
 
-def _watch(job: ScheduleJob, on_line) -> int:
+def _watch(job: ScheduleJob, on_line, argv: list[str] | None = None) -> int:
     """One scheduler process, from start to exit: its lines go to `on_line`; killed (with every
-    process it started: its own session) when it says nothing for heartbeat_timeout_s."""
+    process it started: its own session) when it says nothing for heartbeat_timeout_s. Its exit
+    code, or -1 for silence; a killed scheduler is noticed within a second, not at the timeout.
+    ``argv`` (tests): another program in its place."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tasks.schedule"],
+        argv or [sys.executable, "-m", "tasks.schedule"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -482,15 +484,28 @@ def _watch(job: ScheduleJob, on_line) -> int:
 
     threading.Thread(target=read, daemon=True).start()
     timeout = job.scheduler.heartbeat_timeout_s
+    heard = time.monotonic()
     try:
         while True:
             try:
-                line = lines.get(timeout=timeout)
+                line = lines.get(timeout=min(1.0, timeout))
             except queue.Empty:
-                log.warning(
-                    "the scheduler (pid %d) said nothing for %.0f s: killing it", process.pid, timeout
-                )
-                return -1
+                # its end shows here, not as the pipe's end: what it started (engines, the trainer)
+                # holds the pipe open after it is killed, so a dead scheduler waited out the timeout
+                if process.poll() is not None:
+                    with contextlib.suppress(queue.Empty):  # a last line still on its way
+                        while (line := lines.get(timeout=0.2)) is not None:
+                            if line.startswith("{"):
+                                on_line(json.loads(line), process.pid)
+                    log.warning("the scheduler (pid %d) exited with %d", process.pid, process.returncode)
+                    return process.returncode
+                if time.monotonic() - heard >= timeout:
+                    log.warning(
+                        "the scheduler (pid %d) said nothing for %.0f s: killing it", process.pid, timeout
+                    )
+                    return -1
+                continue
+            heard = time.monotonic()
             if line is None:
                 return process.wait()
             if line.startswith("{"):

@@ -104,3 +104,26 @@ def test_a_killed_scheduler_is_restarted_from_the_store(prefect_harness, tmp_pat
     abandoned = sum(status == "abandoned" for _, status, _ in recorded)
     assert [r.metrics["executions"] for r in records] == [4.0]  # the ended ones
     assert sum(r.metrics.get("executions_abandoned", 0) for r in records) == abandoned >= 1
+
+
+def test_a_killed_scheduler_is_noticed_by_its_exit_while_its_children_hold_the_pipe():
+    """What the scheduler started (engines, the trainer) keeps its stdout open after it is killed:
+    the supervisor notices the exit itself (-9), not a silence at the heartbeat timeout (-1)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from tasks.schedule import _watch
+
+    program = (
+        "import os, signal, subprocess, sys; sys.stdin.readline();"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(20)']);"
+        "print('{\"heartbeat\": 1}', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    job = SimpleNamespace(wire=lambda: "{}", scheduler=SimpleNamespace(heartbeat_timeout_s=15.0))
+    heard = []
+    code = _watch(job, lambda message, pid: heard.append(message), [sys.executable, "-c", program])
+    assert heard == [{"heartbeat": 1}]
+    assert code == -signal.SIGKILL, code
+    leftover = subprocess.run(["pgrep", "-f", "time.sleep\\(20\\)"], capture_output=True, text=True)
+    assert not leftover.stdout.strip(), "the killed scheduler's child outlived the supervisor"

@@ -418,3 +418,17 @@ def test_concurrent_claims_take_each_arrived_micro_batch_once():
         thread.join(30)
     assert sorted(i for ids in taken.values() for i in ids) == list(range(100))
     assert claimed(store) == 100
+
+
+def test_an_idle_participant_looks_less_often_until_work_arrives():
+    from engines.train.elastic import _Idle
+
+    idle = _Idle(ElasticConfig(poll_s=0.001, idle_max_s=0.004))
+    waits = []
+    for _ in range(4):
+        waits.append(idle.next)
+        idle.wait()
+    assert waits == [0.001, 0.002, 0.004, 0.004]  # doubling, capped
+    idle.busy()
+    assert idle.next == 0.001  # work arrived: look again soon
+    assert _Idle(ElasticConfig(poll_s=0.02, idle_max_s=0.01)).most == 0.02  # never below the first wait
