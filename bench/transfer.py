@@ -13,6 +13,11 @@ A pass flips only when a wrong token stops or starts winning; the log-likelihood
 update, so a shift that is real but too small to flip a greedy answer shows here, with its sign. RL
 that learns a general skill raises both sets; RL that learns its problems raises only the seen one.
 Prints the mean change per problem with a paired bootstrap 95% interval and writes JSON (--out).
+
+`--versions DIR` (a campaign's policy/ folder: v1, v2, ...) adds what each update did at once: the
+change from version t to t + 1 on step t's own problems and on a few unseen ones, pooled over the
+updates. An update that learns its problems raises the first; one that teaches something general,
+the second too.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 import numpy as np
 import torch
 
+from bench.learn import paired_bootstrap
 from engines.model.loading import load_tokenizer
 from engines.model.weights import load_model
 from engines.train.sft import pack_prefix_tree, render
@@ -73,11 +79,38 @@ def score(policy: str, demos: list, max_len: int = 4096) -> np.ndarray:
     return np.array(rows)
 
 
-def paired(delta: np.ndarray, seed: int = 0, resamples: int = 10000) -> dict[str, float]:
-    rng = np.random.default_rng(seed)
-    means = delta[rng.integers(0, len(delta), (resamples, len(delta)))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return {"mean": float(delta.mean()), "ci95_low": float(low), "ci95_high": float(high)}
+def paired(delta: np.ndarray) -> dict[str, float]:
+    low, high = paired_bootstrap([float(d) for d in delta])
+    return {"mean": float(delta.mean()), "ci95_low": low, "ci95_high": high}
+
+
+def per_update(
+    config: CampaignConfig, before: str, versions: str, steps: int, unseen: list[Problem], tokenizer
+) -> dict[str, dict]:
+    """What each update did, right away: step t's problems and the unseen ones under version t and
+    t + 1 (``versions``/v<t>, version 0 = ``before``), the changes pooled over the steps."""
+    policy = [before] + [f"{versions}/v{t}" for t in range(1, steps + 1)]
+    unseen_demos = [render(tokenizer, demonstration(p), TOOLS) for p in unseen]
+    unseen_scores = [score(path, unseen_demos) for path in policy]
+    own, other = [], []
+    for t in range(steps):
+        demos = [
+            render(tokenizer, demonstration(Problem.from_json(p)), TOOLS)
+            for p in choose_problems.fn(config.problems, t)
+        ]
+        own.append(score(policy[t + 1], demos)[:, 0] - score(policy[t], demos)[:, 0])
+        other.append(unseen_scores[t + 1][:, 0] - unseen_scores[t][:, 0])
+        print(f"update {t:3d}: its own problems {own[-1].mean():+.4f}   unseen {other[-1].mean():+.4f}")
+    figures = {}
+    for name, deltas in (("own_problems", own), ("unseen", other)):
+        pooled = np.concatenate(deltas)
+        figures[name] = {"by_update": [float(d.mean()) for d in deltas], "loglik_change": paired(pooled)}
+        change = figures[name]["loglik_change"]
+        print(
+            f"one update, {name.replace('_', ' ')}: log-likelihood of the reference {change['mean']:+.4f}"
+            f" (95% CI [{change['ci95_low']:+.4f}, {change['ci95_high']:+.4f}] over {len(pooled)} problem-updates)"
+        )
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,18 +119,31 @@ def main(argv: list[str] | None = None) -> int:
         "--config", required=True, help="the campaign's TOML (its [problems] are the seen set)"
     )
     parser.add_argument("--before", required=True, help="policy folder before the campaign")
-    parser.add_argument("--after", required=True, help="policy folder after it")
+    parser.add_argument("--after", default=None, help="policy folder after it (else only --versions)")
     parser.add_argument(
         "--steps", type=int, default=None, help="steps the campaign ran (default: its config)"
     )
     parser.add_argument("--problems", type=int, default=32, help="unseen validation problems per suite")
+    parser.add_argument(
+        "--versions",
+        default=None,
+        help="a folder of the campaign's versions (v1, v2, ...: its policy/ folder): also each update's "
+        "own effect, on its step's problems and on --unseen-per-update unseen ones",
+    )
+    parser.add_argument(
+        "--unseen-per-update", type=int, default=8, help="unseen problems per suite, with --versions"
+    )
     parser.add_argument("--out", default=None, help="JSON file for the figures")
     args = parser.parse_args(argv)
 
     config = CampaignConfig.from_toml(args.config)
     tokenizer = load_tokenizer(args.before)
     figures: dict[str, dict] = {}
-    for name, problems in problem_sets(config, args.problems, args.steps).items():
+    if args.versions:
+        unseen = problem_sets(config, args.unseen_per_update, 0)["unseen"]
+        steps = config.steps if args.steps is None else args.steps
+        figures["per_update"] = per_update(config, args.before, args.versions, steps, unseen, tokenizer)
+    for name, problems in problem_sets(config, args.problems, args.steps).items() if args.after else ():
         demos = [render(tokenizer, demonstration(p), TOOLS) for p in problems]
         before, after = score(args.before, demos), score(args.after, demos)
         loglik = paired(after[:, 0] - before[:, 0])

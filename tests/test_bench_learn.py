@@ -46,3 +46,37 @@ def test_a_problem_kind_names_its_suite_and_a_terminal_problem_its_operations():
         operations = problem.meta["operations"]
         assert len(operations) == 2 and _kind(problem) == "terminal:" + "+".join(operations)
     assert {_kind(p) for p in generate("swe", 2, seed=20000, difficulty=1, length=1)} == {"swe"}
+
+
+def test_transfer_scores_reference_solutions_and_pairs_them_by_problem(tmp_path):
+    """bench.transfer: the same policy twice changes nothing; another policy changes the
+    log-likelihood of every reference solution, and the seen set is the campaign's own problems."""
+    import numpy as np
+
+    from bench.transfer import paired, problem_sets, score
+    from engines.model import ModelConfig, init_model
+    from engines.model.loading import load_tokenizer
+    from engines.train.sft import render
+    from environments.demos import demonstration
+    from environments.harness import TOOLS
+    from tasks.campaign import choose_problems
+    from tests.campaign_fixtures import tiny_campaign, tiny_policy
+
+    before = tiny_policy(tmp_path / "a")
+    after = str(tmp_path / "b")
+    init_model(ModelConfig(preset="tiny", seed=1), after)
+    config = tiny_campaign("t", before, str(tmp_path / "data"), steps=2)
+    sets = problem_sets(config, 1, None)
+    assert [p.problem_id for p in sets["seen"]] == [
+        p["problem_id"] for step in range(2) for p in choose_problems.fn(config.problems, step)
+    ]
+    assert len(sets["unseen"]) == 1 and sets["unseen"][0].problem_id not in {
+        p.problem_id for p in sets["seen"]
+    }
+    tokenizer = load_tokenizer(before)
+    demos = [render(tokenizer, demonstration(p), TOOLS) for p in sets["seen"]]
+    first, again, other = score(before, demos), score(before, demos), score(after, demos)
+    assert np.array_equal(first, again) and (first[:, 0] < 0).all() and (first[:, 1] > 0).all()
+    assert (first[:, 2] <= first[:, 1]).all()  # tokens not greedy are among the targets
+    assert paired(again[:, 0] - first[:, 0])["mean"] == 0.0
+    assert (other[:, 0] != first[:, 0]).all() and (other[:, 1] == first[:, 1]).all()
