@@ -482,6 +482,10 @@ def _watch(job: ScheduleJob, on_line, argv: list[str] | None = None) -> int:
             lines.put(line)
         lines.put(None)
 
+    def take(line: str) -> None:
+        if line.startswith("{"):
+            on_line(json.loads(line), process.pid)
+
     threading.Thread(target=read, daemon=True).start()
     timeout = job.scheduler.heartbeat_timeout_s
     heard = time.monotonic()
@@ -495,8 +499,7 @@ def _watch(job: ScheduleJob, on_line, argv: list[str] | None = None) -> int:
                 if process.poll() is not None:
                     with contextlib.suppress(queue.Empty):  # a last line still on its way
                         while (line := lines.get(timeout=0.2)) is not None:
-                            if line.startswith("{"):
-                                on_line(json.loads(line), process.pid)
+                            take(line)
                     log.warning("the scheduler (pid %d) exited with %d", process.pid, process.returncode)
                     return process.returncode
                 if time.monotonic() - heard >= timeout:
@@ -508,8 +511,7 @@ def _watch(job: ScheduleJob, on_line, argv: list[str] | None = None) -> int:
             heard = time.monotonic()
             if line is None:
                 return process.wait()
-            if line.startswith("{"):
-                on_line(json.loads(line), process.pid)
+            take(line)
     finally:
         with contextlib.suppress(ProcessLookupError):  # the scheduler and whatever it started
             os.killpg(process.pid, signal.SIGKILL)
