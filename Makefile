@@ -37,8 +37,10 @@ browser:
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
 	  echo "LOUD: chromium could not be installed; tests/test_ui.py will say it skipped"
 
+# two pytest workers (pytest-xdist): the slow tests mostly wait on processes they started;
+# `loadgroup` keeps a file marked xdist_group on one worker (tests/test_scheduler_service.py)
 test: lint browser
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 bench: install
 	$(BIN)/gyre bench store

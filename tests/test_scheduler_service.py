@@ -20,7 +20,8 @@ from tests.campaign_fixtures import tiny_campaign, tiny_policy
 from trajectory_store.db import connect
 from trajectory_store.storage import Store
 
-pytestmark = pytest.mark.slow
+# one worker for the whole file under `pytest -n`: the kill finds its scheduler by command line
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("scheduler-service")]
 
 
 def _scheduler_pids() -> list[int]:
