@@ -91,6 +91,13 @@ def add_sft_parser(model_commands) -> None:
     )
     sft.add_argument("--difficulty", type=int, default=1, help="difficulty of the generated problems")
     sft.add_argument(
+        "--recovery-share",
+        type=float,
+        default=0.0,
+        help="share of the problems with visible tests demonstrated with a failed first attempt (the file "
+        "written back unchanged, the tests failing) before the fix; the mistake itself is not trained on",
+    )
+    sft.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -252,6 +259,7 @@ def run_sft_command(args: argparse.Namespace) -> int:
         evaluate=not args.no_eval,
         seed=args.seed,
         eval_seed=args.eval_seed,
+        recovery_share=args.recovery_share,
     )
     training = report["training"]
     if "copy" in training:

@@ -73,6 +73,7 @@ def sft_model(
     evaluate: bool = True,
     seed: int = 0,
     eval_seed: int = 0,
+    recovery_share: float = 0.0,
     log=print,
 ) -> dict[str, Any]:
     from engines.train.sft import SFTConfig, train_sft  # torch: only when asked for
@@ -88,9 +89,13 @@ def sft_model(
             difficulty=difficulty,
         )
     ]
-    demos = demonstrations(problems)
-    log(f"{len(demos)} demonstrations from {', '.join(suites)} (difficulty {difficulty})")
-    report: dict[str, Any] = {"model": model_dir, "out": out, "suites": suites}
+    demos = demonstrations(problems, recovery_share=recovery_share, seed=seed)
+    recoveries = sum(any(m.get("train") is False for m in messages) for messages, _ in demos)
+    log(
+        f"{len(demos)} demonstrations from {', '.join(suites)} (difficulty {difficulty}), "
+        f"{recoveries} with a failed first attempt"
+    )
+    report: dict[str, Any] = {"model": model_dir, "out": out, "suites": suites, "recoveries": recoveries}
     if evaluate:
         report["before"] = evaluate_policy(
             model_dir, suites, eval_problems, seed=eval_seed, difficulty=difficulty

@@ -3,6 +3,8 @@ prefix-tree batch equal to one-by-one training, and a short real training run.""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
@@ -18,7 +20,7 @@ from engines.train.sft import (
     train_sft,
 )
 from engines.train.tree import target_logprobs
-from environments.demos import demonstration, demonstrations
+from environments.demos import can_recover, demonstration, demonstrations
 from environments.harness import TOOLS
 from environments.problems import generate
 from tests.test_gateway_fixtures import tokenizer
@@ -49,6 +51,38 @@ def test_only_assistant_turns_are_targets():
     assert '"name": "finish"' in text and "<|im_end|>" in text
     assert "You are a coding agent" not in text and "<tool_response>" not in text
     assert messages[1]["content"] not in text
+
+
+def test_a_recovery_demonstration_fails_first_retries_and_trains_only_on_the_retry():
+    tok = tokenizer()
+    problem = generate("swe", 1, seed=3)[0]
+    assert can_recover(problem) and not can_recover(generate("terminal", 1, seed=1)[0])  # no visible tests
+    plain, messages = demonstration(problem), demonstration(problem, recover=True)
+    calls = [m["tool_calls"][0]["function"]["name"] for m in messages if m["role"] == "assistant"]
+    assert calls == ["read_file", "write_file", "run_tests", "read_file", "write_file", "run_tests", "finish"]
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    assert "\nFAIL " in results[2] and "\nFAIL " not in results[5] and "exit code 0" in results[5]
+    mistake = [m for m in messages if m.get("train") is False]
+    assert (
+        len(mistake) == 1
+        and json.loads(mistake[0]["tool_calls"][0]["function"]["arguments"])["content"]
+        == (problem.files[problem.solution[1]["arguments"]["path"]])
+    )
+    demo = render(tok, messages, TOOLS)
+    text = tok.decode([t for t, target in zip(demo.token_ids, demo.targets, strict=True) if target])
+    assert text.count("<tool_call>") == 6  # every turn but the mistake
+    fix = problem.solution[1]["arguments"]["content"]
+    shipped = problem.files[problem.solution[1]["arguments"]["path"]]
+    assert text.count('"name": "write_file"') == 1 and json.dumps(fix)[1:-1] in text
+    assert json.dumps(shipped)[1:-1] not in text  # the mistake is never a target
+    assert json.dumps(shipped)[1:-1] in tok.decode(demo.token_ids)  # but it is in the context
+    # the same problem demonstrated plainly targets the same fix, finish and all
+    plain_demo = render(tok, plain, TOOLS)
+    plain_text = tok.decode([t for t, g in zip(plain_demo.token_ids, plain_demo.targets, strict=True) if g])
+    assert plain_text.count("<tool_call>") == 4
+    mixed = demonstrations(generate("swe", 8, seed=4) + generate("terminal", 4, seed=4), recovery_share=0.5)
+    recovered = [any(m.get("train") is False for m in messages) for messages, _ in mixed]
+    assert 0 < sum(recovered[:8]) < 8 and not any(recovered[8:])
 
 
 def test_copy_drills_target_only_the_second_copy_of_a_text():

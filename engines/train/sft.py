@@ -75,7 +75,8 @@ class Demonstration:
 
 
 def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Demonstration:
-    """Token ids of a whole conversation and which of them the assistant produced."""
+    """Token ids of a whole conversation and which of them the assistant produced (its turns marked
+    ``"train": False`` excepted)."""
 
     def ids(prefix: list[dict[str, Any]], generation: bool) -> list[int]:
         text = tokenizer.apply_chat_template(
@@ -86,8 +87,8 @@ def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]
     full = ids(messages, False)
     targets = [False] * len(full)
     for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+        if message["role"] != "assistant" or message.get("train") is False:
+            continue  # a turn marked "train": False is context (a demonstrated mistake), not a target
         start = ids(messages[:index], True)
         end = ids(messages[: index + 1], False)
         if full[: len(end)] != end or end[: len(start)] != start:
