@@ -7,9 +7,9 @@ a sandbox (so tool results are what the agent would have seen) and the conversat
 
 A recovery demonstration (``recover=True``) first makes the mistake the warm start makes most (it
 writes the file it must fix back unchanged), runs the visible tests and sees them fail, reads the
-file again, writes the fix, runs them again and finishes. The mistake's turn carries ``"train": False``: the policy
-learns to notice a failed test and try again, never to make the mistake. No demonstration retried
-before, so a policy never sampled a retry that RL could reward.
+file again, writes the fix, runs them again and finishes. The mistake's turn carries ``"train":
+False``: the policy learns to notice a failed test and try again, never to make the mistake. No
+demonstration retried before, so a policy never sampled a retry that RL could reward.
 """
 
 from __future__ import annotations
