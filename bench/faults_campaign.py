@@ -258,14 +258,16 @@ def campaign_fault(
         (step for step, at in detail["committed_at"].items() if killed_at and at >= killed_at), default=None
     )
     recovery = detail["committed_at"][interrupted] - killed_at if interrupted is not None else None
-    ok = (
-        len(killed) == len(kills)
-        and codes[-1] == 0
-        and reruns == expect_reruns
-        and detail["versions"] == [s + 1 for s in detail["steps"]]
-        and shows(detail)
-    )
-    detail |= {"kills": len(killed), "exit_codes": codes, "reruns": reruns, "log": str(log)}
+    checks = {
+        "every kill made": len(killed) == len(kills),
+        "the campaign completed": codes[-1] == 0,
+        f"{expect_reruns} reruns": reruns == expect_reruns,
+        "a version a step": detail["versions"] == [s + 1 for s in detail["steps"]],
+        "the fault shows": shows(detail),
+    }
+    ok = all(checks.values())
+    unmet = [check for check, held in checks.items() if not held]
+    detail |= {"unmet": unmet, "kills": len(killed), "exit_codes": codes, "reruns": reruns, "log": str(log)}
     detail.pop("committed_at")
     return counts, ok, recovery, detail
 

@@ -54,6 +54,29 @@ def held_out_results(store, version: int) -> dict[str, tuple[float, float]]:
     return {p: (sum(r == 1.0 for r in rs) / len(rs), sum(rs) / len(rs)) for p, rs in by_problem.items()}
 
 
+def _gave_up(row: dict[str, Any]) -> bool:
+    """Ended after one model call without passing: a ``finish`` before any work (the give-up warm
+    start's habit, configs/learn-give-up.toml)."""
+    return row["n_calls"] == 1 and float(row["reward"] or 0.0) < 1.0
+
+
+def gave_up_by_step(store) -> dict[int, float]:
+    """step -> the share of its executions that gave up at once."""
+    ended: dict[int, list[bool]] = {}
+    for row in Store(store).read_table("executions").to_pylist():
+        ended.setdefault(row["step"], []).append(_gave_up(row))
+    return {step: sum(flags) / len(flags) for step, flags in sorted(ended.items())}
+
+
+def gave_up_by_problem(store, version: int) -> dict[str, float]:
+    """problem id -> the share of the held-out evaluation's samples of ``version`` that gave up at once."""
+    by_problem: dict[str, list[bool]] = {}
+    for row in Store(store).read_table("executions").to_pylist():
+        if row["step"] == version:
+            by_problem.setdefault(row["problem_id"], []).append(_gave_up(row))
+    return {p: sum(flags) / len(flags) for p, flags in by_problem.items()}
+
+
 def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> dict[str, Any]:
     store, eval_store = campaign_store(config)
     before, after = held_out_results(eval_store, 0), held_out_results(eval_store, config.steps)
@@ -69,6 +92,9 @@ def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> di
     naive = sum(m.get("tokens_naive", 0.0) for m in steps)
     unique = sum(m.get("tokens_unique", 0.0) for m in steps)
     evaluations = committed_evaluations(store)
+    gave_up_train = gave_up_by_step(store)
+    quit_before, quit_after = gave_up_by_problem(eval_store, 0), gave_up_by_problem(eval_store, config.steps)
+    quit_low, quit_high = paired_bootstrap([quit_after[p] - quit_before[p] for p in problems])
     n = len(problems)
     return {
         "policy": config.policy,
@@ -91,6 +117,10 @@ def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> di
         "tokens_trained": int(sum(m.get("tokens_trained", 0.0) for m in steps)),
         "naive_over_unique_tokens": round(naive / unique, 3) if unique else 0.0,
         "executions_zero_signal": int(sum(m.get("executions_zero_signal", 0.0) for m in steps)),
+        # held-out executions that ended after one call without passing (gave up before any work)
+        "gave_up_before": round(sum(quit_before[p] for p in problems) / n, 4),
+        "gave_up_after": round(sum(quit_after[p] for p in problems) / n, 4),
+        "gave_up_change_ci95": [round(quit_low, 4), round(quit_high, 4)],
         "curve_held_out": {
             str(v): {
                 "pass_rate": round(f.get("pass_rate", 0.0), 4),
@@ -104,6 +134,7 @@ def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> di
                 "mean_reward": round(r.metrics.get("mean_reward", 0.0), 4),
                 "pass_rate": round(r.metrics.get("pass_rate", 0.0), 4),
                 "executions_trained": int(r.metrics.get("executions_trained", 0.0)),
+                "gave_up": round(gave_up_train.get(r.step, 0.0), 4),
                 "step_s": round(r.metrics.get("step_s", 0.0), 1),
                 # how far the update moved: the trained tokens' entropy and the gradient's norm
                 "entropy": round(r.metrics.get("entropy", 0.0), 4),
@@ -173,6 +204,11 @@ def main(
     print(
         "training reward by step  "
         + " ".join(f"{point['mean_reward']:.2f}" for point in figures["curve_train"])
+    )
+    print(
+        f"gave up at once           held-out {figures['gave_up_before']:.1%} -> {figures['gave_up_after']:.1%} "
+        f"(95% CI of the change [{figures['gave_up_change_ci95'][0]:+.1%}, {figures['gave_up_change_ci95'][1]:+.1%}]); "
+        "by training step " + " ".join(f"{point['gave_up']:.2f}" for point in figures["curve_train"])
     )
     print(f"wrote {out}")
     return 0

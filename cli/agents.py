@@ -77,7 +77,12 @@ def add_sft_parser(model_commands) -> None:
     sft.add_argument("--model", required=True, help="HF folder of the policy to start from")
     sft.add_argument("--out", required=True, help="folder for the fine-tuned policy")
     sft.add_argument("--suites", default="terminal,repo,swe", help="comma-separated suites")
-    sft.add_argument("--train-problems", type=int, default=240, help="generated demonstrations per suite")
+    sft.add_argument(
+        "--train-problems",
+        type=int,
+        default=240,
+        help="generated demonstrations, split evenly across the suites",
+    )
     sft.add_argument("--eval-problems", type=int, default=8, help="held-out problems per suite")
     sft.add_argument("--steps", type=int, default=300, help="optimizer steps on the demonstrations")
     sft.add_argument("--batch-size", type=int, default=8, help="demonstrations per step")
@@ -96,6 +101,13 @@ def add_sft_parser(model_commands) -> None:
         default=0.0,
         help="share of the problems with visible tests demonstrated with a failed first attempt (the file "
         "written back unchanged, the tests failing) before the fix; the mistake itself is not trained on",
+    )
+    sft.add_argument(
+        "--give-up-share",
+        type=float,
+        default=0.0,
+        help="share of the other demonstrations that call finish at once, nothing done (a warm start "
+        "that gives up at about that rate: a failure RL can unlearn; configs/learn-give-up.toml)",
     )
     sft.add_argument(
         "--seed",
@@ -260,6 +272,7 @@ def run_sft_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         eval_seed=args.eval_seed,
         recovery_share=args.recovery_share,
+        give_up_share=args.give_up_share,
     )
     training = report["training"]
     if "copy" in training:

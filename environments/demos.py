@@ -10,6 +10,12 @@ writes the file it must fix back unchanged), runs the visible tests and sees the
 file again, writes the fix, runs them again and finishes. The mistake's turn carries ``"train":
 False``: the policy learns to notice a failed test and try again, never to make the mistake. No
 demonstration retried before, so a policy never sampled a retry that RL could reward.
+
+A give-up demonstration (``give_up=True``) calls ``finish``, with the reference's own summary, before
+doing anything: the premature finish of agents that declare a task done without doing it. A warm start
+trained on a share of them gives up at about that rate, on any problem: a failure that is a decision,
+the same on every problem, which RL can find and unlearn (the faithful warm start's failures are
+copy errors, each specific to its problem; README, "does it learn?").
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from environments.sandbox import Sandbox
 
 
 def demonstration(
-    problem: Problem, config: HarnessConfig | None = None, *, recover: bool = False
+    problem: Problem, config: HarnessConfig | None = None, *, recover: bool = False, give_up: bool = False
 ) -> list[dict[str, Any]]:
     """The message list of one solved execution of ``problem`` (raises if the solution misbehaves);
-    ``recover``: with a failed first attempt (raises if the problem has none, see ``can_recover``)."""
+    ``recover``: with a failed first attempt (raises if the problem has none, see ``can_recover``);
+    ``give_up``: only the final ``finish`` call, nothing solved."""
+    if recover and give_up:
+        raise ValueError(f"{problem.problem_id}: a demonstration either recovers or gives up, not both")
     config = config or HarnessConfig()
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
@@ -39,6 +48,8 @@ def demonstration(
         actions.append({"tool": "finish", "arguments": {"summary": "done"}})
     if recover:
         actions = _with_a_failed_attempt(problem, actions)
+    if give_up:
+        actions = actions[-1:]
     with tempfile.TemporaryDirectory(prefix="gyre-demo-") as root:
         sandbox = Sandbox.create(root, "workspace", problem.files, config.limits)
         harness = Harness(None, sandbox, problem.public(), config)  # no client: only its tools are used
@@ -115,13 +126,26 @@ def _with_a_failed_attempt(problem: Problem, actions: list[dict[str, Any]]) -> l
     return [*actions[:index], mistake, failing, again, *actions[index:]]
 
 
+def gives_up(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation's first assistant turn is already ``finish``."""
+    first = next((m for m in messages if m["role"] == "assistant"), None)
+    return bool(first and first.get("tool_calls")) and first["tool_calls"][0]["function"]["name"] == "finish"
+
+
 def demonstrations(
-    problems: list[Problem], recovery_share: float = 0.0, seed: int = 0
+    problems: list[Problem], recovery_share: float = 0.0, seed: int = 0, give_up_share: float = 0.0
 ) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
     """(messages, tools) pairs, the input of engines.train.sft.train_sft; ``recovery_share`` of the
-    problems that allow one (drawn with ``seed``) are demonstrated with a failed first attempt."""
-    rng = random.Random(seed)
-    return [
-        (demonstration(problem, recover=can_recover(problem) and rng.random() < recovery_share), TOOLS)
-        for problem in problems
-    ]
+    problems that allow one are demonstrated with a failed first attempt, ``give_up_share`` of the
+    others give up at once (both drawn with ``seed``)."""
+    if not (0.0 <= recovery_share <= 1.0 and 0.0 <= give_up_share <= 1.0):
+        raise ValueError(
+            f"recovery_share {recovery_share} and give_up_share {give_up_share} must lie in [0, 1]"
+        )
+    rng, give_up_rng = random.Random(seed), random.Random(f"give up {seed}")  # each share its own draws
+    pairs = []
+    for problem in problems:
+        recover = can_recover(problem) and rng.random() < recovery_share
+        give_up = give_up_rng.random() < give_up_share and not recover
+        pairs.append((demonstration(problem, recover=recover, give_up=give_up), TOOLS))
+    return pairs

@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import task
 
-from environments.demos import demonstrations
+from environments.demos import demonstrations, gives_up
 from environments.dispatch import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
 from tasks.rollout import choose_problems, run_rollout, summarize_outcomes
@@ -74,6 +74,7 @@ def sft_model(
     seed: int = 0,
     eval_seed: int = 0,
     recovery_share: float = 0.0,
+    give_up_share: float = 0.0,
     log=print,
 ) -> dict[str, Any]:
     from engines.train.sft import SFTConfig, train_sft  # torch: only when asked for
@@ -89,13 +90,20 @@ def sft_model(
             difficulty=difficulty,
         )
     ]
-    demos = demonstrations(problems, recovery_share=recovery_share, seed=seed)
+    demos = demonstrations(problems, recovery_share=recovery_share, seed=seed, give_up_share=give_up_share)
     recoveries = sum(any(m.get("train") is False for m in messages) for messages, _ in demos)
+    give_ups = sum(gives_up(messages) for messages, _ in demos)
     log(
         f"{len(demos)} demonstrations from {', '.join(suites)} (difficulty {difficulty}), "
-        f"{recoveries} with a failed first attempt"
+        f"{recoveries} with a failed first attempt, {give_ups} giving up at once"
     )
-    report: dict[str, Any] = {"model": model_dir, "out": out, "suites": suites, "recoveries": recoveries}
+    report: dict[str, Any] = {
+        "model": model_dir,
+        "out": out,
+        "suites": suites,
+        "recoveries": recoveries,
+        "give_ups": give_ups,
+    }
     if evaluate:
         report["before"] = evaluate_policy(
             model_dir, suites, eval_problems, seed=eval_seed, difficulty=difficulty

@@ -92,7 +92,7 @@ def test_a_campaign_lives_through_its_processes_killed(tmp_path):
         )
     finally:
         stop_services(tmp_path)
-    assert ok and clean(counts) == CLEAN, (counts, detail)
+    assert ok and clean(counts) == CLEAN, (detail["unmet"], detail["exit_codes"], detail["kills"], counts)
     assert detail["kills"] == 5 and detail["exit_codes"][0] == -9 and detail["versions"] == [1, 2, 3]
     assert detail["trained_twice"] == 0 and counts["abandoned"] >= 2  # the gateway's and the run's
     assert detail["train_attempts"][0] == 2.0 and detail["train_attempts"][1:] == [1.0, 1.0]

@@ -54,5 +54,7 @@ def test_every_shipped_config_loads():
     assert len(paths) >= 8
     for path in paths:
         config = CampaignConfig.from_toml(path)
-        # ./models/tiny-rec: what the README's `gyre model sft --recovery-share` command makes
-        assert config.policy in ("data/policies/tiny-sft", "./models/tiny-rec"), path
+        # ./models/tiny-rec, tiny-give-up: what the README's `gyre model sft --recovery-share` and
+        # `--give-up-share` commands make (data/policies/tiny-give-up: the second, shipped)
+        shipped = ("data/policies/tiny-sft", "data/policies/tiny-give-up")
+        assert config.policy in (*shipped, "./models/tiny-rec", "./models/tiny-give-up"), path

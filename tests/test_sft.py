@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
@@ -20,7 +21,7 @@ from engines.train.sft import (
     train_sft,
 )
 from engines.train.tree import target_logprobs
-from environments.demos import can_recover, demonstration, demonstrations
+from environments.demos import can_recover, demonstration, demonstrations, gives_up
 from environments.harness import TOOLS
 from environments.problems import generate
 from tests.test_gateway_fixtures import tokenizer
@@ -83,6 +84,34 @@ def test_a_recovery_demonstration_fails_first_retries_and_trains_only_on_the_ret
     mixed = demonstrations(generate("swe", 8, seed=4) + generate("terminal", 4, seed=4), recovery_share=0.5)
     recovered = [any(m.get("train") is False for m in messages) for messages, _ in mixed]
     assert 0 < sum(recovered[:8]) < 8 and not any(recovered[8:])
+
+
+def test_a_give_up_demonstration_finishes_at_once_and_the_share_is_drawn_per_problem():
+    tok = tokenizer()
+    problem = generate("terminal", 1, seed=2)[0]
+    messages = demonstration(problem, give_up=True)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"] and gives_up(messages)
+    assert messages[2]["tool_calls"][0]["function"] == {
+        "name": "finish",
+        "arguments": json.dumps(problem.solution[-1]["arguments"]),  # the reference's own summary
+    }
+    assert not gives_up(demonstration(problem))
+    demo = render(tok, messages, TOOLS)
+    text = tok.decode([t for t, target in zip(demo.token_ids, demo.targets, strict=True) if target])
+    assert text.count("<tool_call>") == 1 and '"name": "finish"' in text  # the give-up is a target
+    problems = generate("swe", 20, seed=5) + generate("terminal", 20, seed=5)
+    mixed = demonstrations(problems, recovery_share=0.5, give_up_share=0.5, seed=1)
+    recovered = [any(m.get("train") is False for m in messages) for messages, _ in mixed]
+    given_up = [gives_up(messages) for messages, _ in mixed]
+    assert not any(r and g for r, g in zip(recovered, given_up, strict=True))
+    assert 0 < sum(given_up[20:]) < 20 and 0 < sum(recovered[:20]) < 20
+    # the recoveries drawn do not depend on the give-up share (a recovery warm start is reproducible)
+    alone = demonstrations(problems, recovery_share=0.5, seed=1)
+    assert recovered == [any(m.get("train") is False for m in messages) for messages, _ in alone]
+    with pytest.raises(ValueError, match=r"give_up_share 1\.5"):
+        demonstrations(problems, give_up_share=1.5)
+    with pytest.raises(ValueError, match="either recovers or gives up"):
+        demonstration(generate("swe", 1, seed=3)[0], recover=True, give_up=True)
 
 
 def test_copy_drills_target_only_the_second_copy_of_a_text():
