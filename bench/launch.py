@@ -35,7 +35,9 @@ SEED = 30000  # neither held-out (0), the warm start's demonstrations (1000+), t
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/learn-quick.toml", help="policy, problems and harness")
+    parser.add_argument(
+        "--config", default="configs/learn-sft-quick.toml", help="policy, problems and harness"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", default=DEFAULT_OUT)

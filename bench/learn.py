@@ -2,18 +2,22 @@
 
     gyre bench learn --quick     # configs/learn-quick.toml: what `make run` shows
     gyre bench learn             # configs/learn.toml: the full run
+    gyre bench learn --config configs/learn-sft-quick.toml   # from the faithful warm start
 
 Runs the campaign flow (flows/campaign.py) from the config's starting policy (the warm start shipped
 under data/policies/) in a fresh data root, then reads the held-out evaluations back from the store:
 the same problems (generator seed [evaluation].seed, never trained on: training problems come from
-[problems].seed + step) evaluated greedily before the first step and after the last.
+[problems].seed + step) evaluated before the first step and after the last ([evaluation]: greedily, or
+sampled at a temperature with several executions a problem, whose pass rate is the share that passed).
 
 Figures (bench/results/learn.json): minutes, steps, executions, pass_rate_before / pass_rate_after,
 mean_reward_before / mean_reward_after, pass_rate_gain and its paired 95% interval over the held-out
 problems (pass_rate_gain_ci95_low / _high: a bootstrap of the per-problem differences, 10,000
 resamples, seeded), tokens_trained, naive_over_unique_tokens, and the curves (held-out pass rate per
-evaluated version, training reward and pass rate per step). `--validation` evaluates on validation
-problems (generator seed 20000) instead, to choose a recipe without looking at the held-out set.
+evaluated version, training reward and pass rate per step), and the share of executions that gave
+up at once (one model call, not passed) before and after, with its paired interval. `--validation`
+evaluates on validation problems (generator seed 20000) instead, to choose a recipe without looking
+at the held-out set.
 """
 
 from __future__ import annotations

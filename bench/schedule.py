@@ -28,7 +28,7 @@ elastic_over_async, elastic_over_colocate and elastic_sync_over_colocate (makesp
 headline keys: paper.{speedup_vs_async, speedup_vs_colocate, over_lower_bound, async_over_lower_bound,
 speedup_vs_async_ceiling} (paper-flagship; the ceiling is async's makespan over the shared lower bound),
 paper.{oracle_order_over_lower_bound, oracle_order_speedup_vs_async} (the elastic-oracle row),
-real.{speedup_vs_async, speedup_vs_colocate, reward_by_policy, makespan_s, rounds,
+real.{speedup_vs_async, speedup_vs_colocate, reward_by_policy, held_out_pass_rate_by_policy, makespan_s, rounds,
 speedup_vs_async_rounds, cpu_busy_by_policy, ...}, sim_vs_real_error,
 switch_s.{to_train_p50, to_rollout_p50, ...} (measured on the real cells).
 """
@@ -116,7 +116,7 @@ def print_preset(name: str, figures: dict) -> None:
 def print_real(real: dict) -> None:
     print(
         f"{'policy':<10}{'makespan':>10}{'sim':>9}{'error':>8}{'switches':>10}{'train share':>13}"
-        f"{'cpu busy':>10}{'reward':>8}"
+        f"{'cpu busy':>10}{'reward':>8}{'held-out':>10}"
     )
     for label, row in real["policies"].items():
         sim = real["sim_vs_real"][label]
@@ -124,6 +124,7 @@ def print_real(real: dict) -> None:
         print(
             f"{label:<10}{row['makespan_s']:>9.1f}s{sim['sim_s']:>8.1f}s{sim['error']:>8.1%}{row['switches']:>10}"
             f"{row['role_share']['train']:>13.2f}{busy:>10}{row['mean_reward']:>8.3f}"
+            f"{'/'.join(f'{x:.3f}' for x in real.get('held_out_pass_rate_by_policy', {}).get(label, [])):>10}"
         )
     switch = real["switch_s"]
     if real.get("rounds", 1) > 1:

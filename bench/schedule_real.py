@@ -14,7 +14,8 @@ their latency per phase, the share of cell-seconds in each role, the share of th
 busy (`cpu_busy`: on shared cores a freed cell frees nothing, so a gain must show as cores kept
 busier while the tail finishes), executions, mean rollout reward
 (the reward of the executions each campaign trained on: the policies must not differ in what they
-learn from, only in when), and the steps' figures.
+learn from, only in when), the held-out pass rate of each campaign's last version (24 problems of
+generator seed 0, greedy: a speedup counts only at matching scores), and the steps' figures.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from scheduler.controller import Controller, RunReport, StepWork
 from scheduler.policy import make_policy
 from sim.calibrate import Execution, MeasuredRun, calibrate, load_measured, predict, save_measured
 from sim.presets import Preset
-from tasks.campaign import problems_for
+from tasks.campaign import problems_for, run_missing
 from tasks.schedule import CampaignRuntime, cell_pool, run_controller
-from tasks.services import Services, serve_version
+from tasks.services import Services, policy_path, serve_version
 from tasks.stack import local_stack
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
@@ -48,6 +49,7 @@ from trajectory_store.storage import Store, StoreConfig
 
 POLICY = "data/policies/tiny-sft"
 CELLS = 4
+HELD_OUT_PROBLEMS = 24  # greedy, one execution each, generator seed 0: never trained on (7000+, 8000+)
 SESSIONS_PER_CELL = 2
 SUITES = ["terminal", "repo", "swe"]
 DURATIONS = DurationProfile(short_turns=3, long_fraction=0.25, long_factor=(3.0, 6.0))
@@ -138,7 +140,14 @@ class RealBench:
         serve_version(services, self.stack.engine_urls, 0, self.model)
         self.pool.switches = []
 
-    def run(self, label: str, policy: str, params: dict[str, Any], work: RealWork) -> dict[str, Any]:
+    def run(
+        self,
+        label: str,
+        policy: str,
+        params: dict[str, Any],
+        work: RealWork,
+        held_out: int = HELD_OUT_PROBLEMS,
+    ) -> dict[str, Any]:
         """One policy's campaign on `work`; its figures, and (key `measured`) its executions as the
         simulator's calibration reads them. `cpu_busy`: the machine's CPU time spent over the time
         its cores had while the campaign ran (/proc/stat, every process: run it on a quiet machine),
@@ -177,7 +186,40 @@ class RealBench:
             timeline=[(round(t, 2), cell, role) for t, cell, role in report.timeline],
         )
         figures["measured"] = self.measured(label, campaign, work, figures)
+        figures.update(self.held_out(label, services, work.steps, held_out))
         return figures
+
+    def held_out(self, label: str, services: Services, version: int, n: int) -> dict[str, float]:
+        """The campaign's last version on ``n`` held-out problems, greedy, one execution each, with
+        every cell serving it (after the makespan: not timed). A policy's speed counts only at the
+        score the others reach on the same work."""
+        path = policy_path(services, version, self.model)
+        for cell in self.pool.cells.values():
+            if cell.role == "train":
+                self.pool.to_rollout(cell.spec.cell_id, version, path)
+        serve_version(services, self.stack.engine_urls, version, path)
+        store = StoreConfig(data_root=self.store.data_root, campaign=f"schedule-{label}-eval")
+        base = dispatch_config(1, f"{label}-eval")
+        config = dataclasses.replace(
+            base,
+            step=version,
+            campaign=store.campaign,
+            concurrency=self.cells * SESSIONS_PER_CELL,
+            harness=dataclasses.replace(base.harness, temperature=0.0),
+        )
+        run_missing([p.to_json() for p in problems_for(SUITES, n, 0, 1, 1)], services, store, config)
+        rewards = [
+            row["reward"] or 0.0
+            for row in Store(store).read_table("executions").to_pylist()
+            if row["status"] != "abandoned"
+        ]
+        if len(rewards) != n:
+            raise RuntimeError(f"the {label} held-out evaluation recorded {len(rewards)} of {n} executions")
+        return {
+            "held_out_problems": n,
+            "held_out_pass_rate": round(sum(r == 1.0 for r in rewards) / n, 4),
+            "held_out_reward": round(sum(rewards) / n, 4),
+        }
 
     def measured(self, label: str, campaign: str, work: RealWork, figures: dict[str, Any]) -> MeasuredRun:
         """The run's executions from its store (turns, tokens, call and wall time), in dispatch order."""
@@ -414,6 +456,10 @@ def compare(
             )
         ],
         "reward_by_policy": {label: round(row["mean_reward"], 4) for label, row in rows.items()},
+        # each policy's campaign's last version on the same held-out problems, per round
+        "held_out_pass_rate_by_policy": {
+            label: [row["held_out_pass_rate"] for row in runs_of[label]] for label in POLICIES
+        },
         "cpu_busy_by_policy": {label: row["cpu_busy"] for label, row in rows.items()},
         "switch_s": {
             "to_train_p50": percentile(to_train, 50),

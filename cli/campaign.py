@@ -275,8 +275,16 @@ class Progress:
             width * (done + min(len(current), self.expected) / max(self.expected, 1)) / max(steps, 1)
         )
         bar = "#" * min(filled, width) + "." * (width - min(filled, width))
+        head = f"[{bar}] {done}/{steps} steps committed; "
+        if not current:  # before a step's first execution: the held-out evaluation of that version, if due
+            evaluation = self.config.evaluation
+            expected = evaluation.per_suite * len(self.config.problems.suites) * evaluation.samples
+            held_out = Store(store.model_copy(update={"campaign": f"{self.config.name}-eval"}))
+            evaluated = held_out.read_columns("executions", ["execution_id"], done).num_rows
+            if 0 < evaluated < expected:
+                return head + f"evaluating version {done}: {evaluated}/{expected} held-out executions"
         reward = f", mean reward {sum(rewards) / len(rewards):.2f}" if rewards else ""
-        return f"[{bar}] {done}/{steps} steps committed; step {done}: {len(current)}/{self.expected} executions{reward}"
+        return head + f"step {done}: {len(current)}/{self.expected} executions{reward}"
 
     def _run(self) -> None:
         while not self.stop.wait(3):
@@ -333,6 +341,16 @@ def _run(args: argparse.Namespace) -> int:
     for version, figures in evaluations.items():
         print(
             f"held-out version {version}: pass rate {figures.get('pass_rate', 0):.3f}, mean reward {figures.get('mean_reward', 0):.3f}"
+        )
+    if 0 in evaluations and config.steps in evaluations:
+        from bench.learn import figures_of
+
+        learned = figures_of(config, steps, 0.0)
+        print(
+            f"held-out gain {learned['pass_rate_gain']} (95% CI [{learned['pass_rate_gain_ci95_low']}, "
+            f"{learned['pass_rate_gain_ci95_high']}], paired over {learned['held_out_problems']} problems; "
+            f"{learned['problems_gained']} gained, {learned['problems_lost']} lost); gave up at once "
+            f"{learned['gave_up_before']:.1%} -> {learned['gave_up_after']:.1%}"
         )
     print(
         f"campaign {config.name}: {len(steps)} steps in {(time.time() - started) / 60:.1f} min; data in "

@@ -22,9 +22,10 @@ Presets (`PRESETS`):
 - `cpu-small`: four one-thread cells on a 2-core machine, the setup of `gyre bench learn --quick`
   (12 problems x 4 per step, concurrency 4, six-turn executions of the tiny policy). A FIRST,
   LOOSE calibration: per-turn decode latency and tool gap chosen so that colocate's step is about
-  78 s, as in bench/results/learn.json (step_s 73-87 s); training 320 tokens/s per cell
-  (bench/results/train.json tree_tokens_per_s), with a small trained share because most groups
-  carry no signal and are skipped (learn.json: 300 of 384 executions zero-signal); switch costs
+  78 s, as in an earlier `gyre bench learn --quick` from the faithful warm start (step_s 73-87
+  s); training 320 tokens/s per cell (bench/results/train.json tree_tokens_per_s), with a small
+  trained share because most groups carry no signal and are skipped (that run: 300 of 384
+  executions zero-signal); switch costs
   are the issue's goals (2 s / 1 s), not measurements; the two cores are shared by every active
   cell (`Cluster.shared_cores`). Not validated against a held-out real run yet.
 - `cpu-small-tail`: cpu-small with the heavy tail of bench/results/rollout.json (one execution in

@@ -368,6 +368,7 @@ def test_gyre_run_starts_the_services_runs_a_campaign_and_gyre_down_stops_them(t
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.startswith("Prefect UI: http://127.0.0.1:")
         assert "held-out version 1: pass rate" in done.stdout and "campaign clirun: 1 steps" in done.stdout
+        assert re.search(r"held-out gain -?[\d.]+ \(95% CI \[.*\], paired over 1 problems", done.stdout)
         assert "steps committed" in done.stderr  # the progress line
         status = run("status", "--config", str(config))
         assert status.returncode == 0, status.stdout
@@ -384,3 +385,27 @@ def test_deploy_and_worker_without_a_server_say_how_to_get_one(tmp_path, capsys,
         assert main([*command, "--data-root", str(tmp_path / "nowhere")]) == 2
         err = capsys.readouterr().err
         assert "no Prefect server: set PREFECT_API_URL, or start one with `gyre up`" in err
+
+
+def test_the_progress_line_names_a_held_out_evaluation_while_it_runs(tmp_path):
+    """Before a step's first execution, the line counts the held-out evaluation of that version."""
+    from cli.campaign import Progress
+    from flows.config import CampaignConfig
+    from trajectory_store.recorder import Recorder
+    from trajectory_store.storage import StoreConfig
+
+    config = CampaignConfig.from_toml("configs/learn-quick.toml")
+    config.store.data_root = str(tmp_path)
+    progress = Progress(config)
+    assert progress.line().endswith("0/8 steps committed; step 0: 0/48 executions")
+    recorder = Recorder(Store(StoreConfig(data_root=str(tmp_path), campaign="learn-quick-eval")), step=0)
+    for n in range(5):
+        recorder.record_execution(
+            f"e{n}", status="completed", reward=1.0, problem_id=f"p{n}", group_id=f"g{n}"
+        )
+    recorder.flush()
+    assert progress.line().endswith("0/8 steps committed; evaluating version 0: 5/384 held-out executions")
+    recorder = Recorder(Store(StoreConfig(data_root=str(tmp_path), campaign="learn-quick")), step=0)
+    recorder.record_execution("t0", status="completed", reward=0.0, problem_id="p0", group_id="g0")
+    recorder.flush()  # the step has begun: its executions, not the evaluation's
+    assert progress.line().endswith("0/8 steps committed; step 0: 1/48 executions, mean reward 0.00")

@@ -22,7 +22,7 @@ def test_elastic_runs_two_steps_on_real_cells(tmp_path):
     lag = 0
     params = {"depth": 1, "max_policy_lag": lag, "min_dwell_s": 1.0, "gain_factor": 0.0}
     with RealBench(str(tmp_path), cells=3) as bench:
-        figures = bench.run("elastic", "elastic", params, work)
+        figures = bench.run("elastic", "elastic", params, work, held_out=3)
 
     assert figures["errors"] == []
     assert figures["executions"] == 12
@@ -45,6 +45,14 @@ def test_elastic_runs_two_steps_on_real_cells(tmp_path):
     con.close()
     assert sum(statuses.values()) == 12 and set(statuses) <= {"completed", "timeout"}
     assert all(version >= step - lag for step, version in oldest.items()), oldest
+
+    # the last version, evaluated greedily on held-out problems after the makespan
+    assert figures["held_out_problems"] == 3 and 0 <= figures["held_out_pass_rate"] <= 1
+    con = connect(Store(StoreConfig(data_root=bench.store.data_root, campaign="schedule-elastic-eval")))
+    versions = con.execute("SELECT DISTINCT policy_version FROM calls").fetchall()
+    held_out = con.execute("SELECT count(*) FROM executions WHERE step = 2").fetchone()[0]
+    con.close()
+    assert versions == [(2,)] and held_out == 3
 
 
 def test_cpu_busy_is_the_busy_share_of_the_cores_time():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -55,6 +56,17 @@ def test_every_shipped_config_loads():
     for path in paths:
         config = CampaignConfig.from_toml(path)
         # ./models/tiny-rec, tiny-give-up: what the README's `gyre model sft --recovery-share` and
-        # `--give-up-share` commands make (data/policies/tiny-give-up: the second, shipped)
-        shipped = ("data/policies/tiny-sft", "data/policies/tiny-give-up")
+        # `--give-up-share` commands make (the shipped tiny-give-up and tiny-give-up-half: their output)
+        shipped = ("data/policies/tiny-sft", "data/policies/tiny-give-up", "data/policies/tiny-give-up-half")
         assert config.policy in (*shipped, "./models/tiny-rec", "./models/tiny-give-up"), path
+
+
+def test_every_shipped_policy_is_small_and_its_readme_gives_its_sha256_and_command():
+    folders = sorted(p for p in Path("data/policies").iterdir() if p.is_dir())
+    assert len(folders) >= 3
+    for folder in folders:
+        weights = folder / "model.safetensors"
+        assert weights.stat().st_size <= 8 * 2**20, folder
+        readme = (folder / "README.md").read_text()
+        assert hashlib.sha256(weights.read_bytes()).hexdigest() in readme, folder
+        assert "gyre model sft" in readme, folder
