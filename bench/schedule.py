@@ -116,7 +116,7 @@ def print_preset(name: str, figures: dict) -> None:
 def print_real(real: dict) -> None:
     print(
         f"{'policy':<10}{'makespan':>10}{'sim':>9}{'error':>8}{'switches':>10}{'train share':>13}"
-        f"{'cpu busy':>10}{'reward':>8}{'held-out':>10}"
+        f"{'cpu busy':>10}{'reward':>8}{'held-out pass rate':>20}"
     )
     for label, row in real["policies"].items():
         sim = real["sim_vs_real"][label]
@@ -124,7 +124,7 @@ def print_real(real: dict) -> None:
         print(
             f"{label:<10}{row['makespan_s']:>9.1f}s{sim['sim_s']:>8.1f}s{sim['error']:>8.1%}{row['switches']:>10}"
             f"{row['role_share']['train']:>13.2f}{busy:>10}{row['mean_reward']:>8.3f}"
-            f"{'/'.join(f'{x:.3f}' for x in real.get('held_out_pass_rate_by_policy', {}).get(label, [])):>10}"
+            f"{' / '.join(f'{x:.3f}' for x in real.get('held_out_pass_rate_by_policy', {}).get(label, [])):>20}"
         )
     switch = real["switch_s"]
     if real.get("rounds", 1) > 1:

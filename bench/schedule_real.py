@@ -472,6 +472,7 @@ def compare(
             "makespan_s": calibration["makespan_s"],
             "latency_s_per_token": round(machine.engine.latency_fixed_s, 5),
             "update_s": round(machine.trainer.update_s, 2),
+            "train_tokens_per_s": round(machine.trainer.tokens_per_s, 1),  # per cell, cores not shared
             "to_train_s": round(machine.to_train_s, 3),
             "to_rollout_s": round(machine.to_rollout_s, 3),
         },
@@ -494,7 +495,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.measured:
         machine, checked = sim_check(load_measured(args.measured))
-        print(json.dumps({"update_s": round(machine.trainer.update_s, 2), "sim_vs_real": checked}, indent=1))
+        fitted = {
+            "update_s": round(machine.trainer.update_s, 2),
+            "train_tokens_per_s": round(machine.trainer.tokens_per_s, 1),
+            "latency_s_per_token": round(machine.engine.latency_fixed_s, 5),
+        }
+        print(json.dumps({**fitted, "sim_vs_real": checked}, indent=1))
         return 0
     figures = compare(args.quick, measured_out=args.measured_out)
     print(json.dumps({k: v for k, v in figures.items() if k != "policies"}, indent=1))

@@ -29,7 +29,6 @@ from sim.run import simulate
 
 SEGMENTS = 3
 SHARED_CORES = 2  # this machine's cores, shared by every cell
-TRAIN_TOKENS_PER_S = 320  # one trainer cell (bench/results/train.json)
 
 
 @dataclass(frozen=True)
@@ -112,9 +111,10 @@ def machine(
     update_s: float,
     to_train_s: float,
     to_rollout_s: float,
+    train_tokens_per_s: float,
 ) -> Preset:
     """This machine's cells: one torch thread each on 2 shared cores; decode `latency_s` per token
-    at batch 1 (batch adds a fifth of it per sequence), training at the measured tokens/s."""
+    at batch 1 (batch adds a fifth of it per sequence), training `train_tokens_per_s` per cell."""
     return Preset(
         name="cpu-measured",
         steps=1,
@@ -133,27 +133,46 @@ def machine(
             kv_bytes_per_token=4096,
             migrate_bytes_per_s=1e9,
         ),
-        trainer=TrainerModel(tokens_per_s=TRAIN_TOKENS_PER_S, update_s=update_s),
+        trainer=TrainerModel(tokens_per_s=train_tokens_per_s, update_s=update_s),
         to_train_s=to_train_s,
         to_rollout_s=to_rollout_s,
         tick_s=0.25,
     )
 
 
+def fit_training(tokens: list[float], seconds: list[float]) -> tuple[float, float]:
+    """(update_s, seconds per trained token) from a colocate run's steps: the seconds after a step's
+    last execution (less the switches) = update_s + tokens x cost, least squares. The update is mostly
+    fixed (the trainer process starts, restores, checkpoints and publishes whatever it trained); a
+    cost at or below 0 (the tokens' share lost in the steps' noise) leaves it all to the update."""
+    x, y = np.asarray(tokens, dtype=float), np.asarray(seconds, dtype=float)
+    cost = float(np.polyfit(x, y, 1)[0]) if len(set(x.tolist())) > 1 else 0.0
+    if cost <= 0.0:
+        return max(float(np.mean(y)), 0.1), 0.0
+    update_s = float(np.mean(y) - cost * np.mean(x))
+    if update_s < 0.1:  # the line runs below 0 tokens: through the origin instead
+        update_s, cost = 0.1, float(np.sum(x * (y - 0.1)) / np.sum(x * x))
+    return update_s, cost
+
+
 def calibrate(run: MeasuredRun, policy: Policy, cells: int, sessions_per_cell: int) -> Preset:
     """The machine fitted to one real run under `policy` (colocate: its steps show the update).
 
-    The update is what a colocate step spends after its last execution ends, less the switches and
-    less the training of the step's tokens: the simulator trains those itself, on every cell. The
-    decode latency is bisected so that the simulated makespan of `run` equals the measured one."""
+    The update and the training rate come from what each colocate step spends after its last
+    execution ends, less the switches (`fit_training`; the simulator trains the step's tokens on
+    every cell, at the shared cores' speed). The decode latency is bisected so that the simulated
+    makespan of `run` equals the measured one."""
     tokens = [sum(e.trained_tokens for e in step) for step in run.executions]
-    rate = cells * TRAIN_TOKENS_PER_S * min(1.0, SHARED_CORES / cells)
-    after = [post - t / rate for post, t in zip(run.post_rollout_s, tokens, strict=True)]
-    update_s = max(float(np.median(after)) - run.to_train_s - run.to_rollout_s, 0.1)
+    update_s, cost = fit_training(
+        tokens, [post - run.to_train_s - run.to_rollout_s for post in run.post_rollout_s]
+    )
+    per_cell = 1e9 if cost == 0.0 else 1.0 / (cost * cells * min(1.0, SHARED_CORES / cells))
     work = measured_workload(run)
 
     def makespan(latency_s: float) -> float:
-        base = machine(cells, sessions_per_cell, latency_s, update_s, run.to_train_s, run.to_rollout_s)
+        base = machine(
+            cells, sessions_per_cell, latency_s, update_s, run.to_train_s, run.to_rollout_s, per_cell
+        )
         return simulate(preset_for(base, run), policy, "calibration", 1, work).makespan_s
 
     low, high = 1e-5, 1.0
@@ -164,7 +183,7 @@ def calibrate(run: MeasuredRun, policy: Policy, cells: int, sessions_per_cell: i
         else:
             high = middle
     latency = float(np.sqrt(low * high))
-    return machine(cells, sessions_per_cell, latency, update_s, run.to_train_s, run.to_rollout_s)
+    return machine(cells, sessions_per_cell, latency, update_s, run.to_train_s, run.to_rollout_s, per_cell)
 
 
 def predict(base: Preset, run: MeasuredRun, policy: Policy, depth: int) -> float:

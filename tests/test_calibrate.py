@@ -15,6 +15,7 @@ from sim.calibrate import (
     Execution,
     MeasuredRun,
     calibrate,
+    fit_training,
     load_measured,
     measured_workload,
     predict,
@@ -53,8 +54,8 @@ def test_calibration_reproduces_its_run_and_predicts_more_work_slower():
     run = _run(2, 80.0)
     colocate = make_policy("colocate")
     machine = calibrate(run, colocate, cells=4, sessions_per_cell=2)
-    # the post-rollout time less the switches and the step's 400 trained tokens on 4 cells of 2 cores
-    assert machine.trainer.update_s == pytest.approx(6.0 - 0.2 - 400 / (4 * 320 * 0.5))
+    # every step trained 400 tokens in the same time: no slope to fit, the update is all of it
+    assert machine.trainer.update_s == pytest.approx(6.0 - 0.2)
     assert predict(machine, run, colocate, 1) == pytest.approx(80.0, rel=0.01)
     longer = dataclasses.replace(
         run,
@@ -67,6 +68,29 @@ def test_calibration_reproduces_its_run_and_predicts_more_work_slower():
     with pytest.raises(ValueError, match="step 1 of the colocate run has 7 executions"):
         measured_workload(dataclasses.replace(run, executions=[run.executions[0], run.executions[1][:7]]))
     assert np.isfinite(predict(machine, run, make_policy("elastic", min_dwell_s=1.0, gain_factor=0.0), 2))
+
+
+def test_the_update_and_the_training_rate_are_fitted_on_the_steps():
+    # seconds after the last execution = 3 s + 1 ms a token: both come back
+    update_s, cost = fit_training([0, 1000, 2000, 4000], [3.0, 4.0, 5.0, 7.0])
+    assert update_s == pytest.approx(3.0) and cost == pytest.approx(0.001)
+    # more tokens, less time (noise): the tokens cost nothing the steps can show
+    assert fit_training([0, 2000, 4000], [4.0, 3.0, 3.5]) == (pytest.approx(3.5), 0.0)
+    # a line below 0 at 0 tokens: through (0, 0.1) instead, never a negative update
+    update_s, cost = fit_training([1000, 2000], [0.5, 2.5])
+    assert update_s == 0.1 and cost == pytest.approx((1000 * 0.4 + 2000 * 2.4) / (1000**2 + 2000**2))
+    run = _run(3, 60.0)
+    varied = dataclasses.replace(
+        run,
+        executions=[
+            [dataclasses.replace(e, trained_tokens=t) for e in row]
+            for row, t in zip(run.executions, [0.0, 100.0], strict=True)
+        ],
+        post_rollout_s=[3.2, 4.0],  # 0 and 800 trained tokens a step
+    )
+    machine = calibrate(varied, make_policy("colocate"), cells=4, sessions_per_cell=2)
+    assert machine.trainer.update_s == pytest.approx(3.0)
+    assert machine.trainer.tokens_per_s == pytest.approx(800 / 0.8 / (4 * 0.5))  # per cell, 2 cores shared
 
 
 def test_saved_runs_load_as_they_were(tmp_path):
