@@ -49,18 +49,27 @@ def paired_bootstrap(differences: list[float], resamples: int = 10_000, seed: in
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
+def _samples_by_problem(store, version: int) -> dict[str, list[dict[str, Any]]]:
+    """problem id -> the held-out evaluation's executions of ``version`` (only that step's parts read)."""
+    rows = Store(store).read_columns("executions", ["problem_id", "reward", "n_calls"], version).to_pylist()
+    by_problem: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_problem.setdefault(row["problem_id"], []).append(row)
+    return by_problem
+
+
 def held_out_results(store, version: int) -> dict[str, tuple[float, float]]:
     """problem id -> (pass rate, mean reward) over the held-out evaluation's samples of ``version``."""
-    rows = [r for r in Store(store).read_table("executions").to_pylist() if r["step"] == version]
-    by_problem: dict[str, list[float]] = {}
-    for row in rows:
-        by_problem.setdefault(row["problem_id"], []).append(float(row["reward"] or 0.0))
-    return {p: (sum(r == 1.0 for r in rs) / len(rs), sum(rs) / len(rs)) for p, rs in by_problem.items()}
+    results = {}
+    for problem, rows in _samples_by_problem(store, version).items():
+        rewards = [float(r["reward"] or 0.0) for r in rows]
+        results[problem] = (sum(r == 1.0 for r in rewards) / len(rewards), sum(rewards) / len(rewards))
+    return results
 
 
 def _gave_up(row: dict[str, Any]) -> bool:
-    """Ended after one model call without passing: a ``finish`` before any work (the give-up warm
-    start's habit, configs/learn-give-up.toml)."""
+    """Ended after one model call without passing: a ``finish`` before any work (the habit of the
+    give-up warm starts, data/policies/tiny-give-up*)."""
     return row["n_calls"] == 1 and float(row["reward"] or 0.0) < 1.0
 
 
@@ -74,11 +83,10 @@ def gave_up_by_step(store) -> dict[int, float]:
 
 def gave_up_by_problem(store, version: int) -> dict[str, float]:
     """problem id -> the share of the held-out evaluation's samples of ``version`` that gave up at once."""
-    by_problem: dict[str, list[bool]] = {}
-    for row in Store(store).read_table("executions").to_pylist():
-        if row["step"] == version:
-            by_problem.setdefault(row["problem_id"], []).append(_gave_up(row))
-    return {p: sum(flags) / len(flags) for p, flags in by_problem.items()}
+    return {
+        problem: sum(map(_gave_up, rows)) / len(rows)
+        for problem, rows in _samples_by_problem(store, version).items()
+    }
 
 
 def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> dict[str, Any]:

@@ -25,9 +25,9 @@ Presets (`PRESETS`):
   78 s, as in an earlier `gyre bench learn --quick` from the faithful warm start (step_s 73-87
   s); training 320 tokens/s per cell (bench/results/train.json tree_tokens_per_s), with a small
   trained share because most groups carry no signal and are skipped (that run: 300 of 384
-  executions zero-signal); switch costs
-  are the issue's goals (2 s / 1 s), not measurements; the two cores are shared by every active
-  cell (`Cluster.shared_cores`). Not validated against a held-out real run yet.
+  executions zero-signal); switch costs are the issue's goals (2 s / 1 s), not measurements; the
+  two cores are shared by every active cell (`Cluster.shared_cores`). Not validated against a
+  held-out real run yet (the real comparison calibrates its own machine: sim/calibrate.py).
 - `cpu-small-tail`: cpu-small with the heavy tail of bench/results/rollout.json (one execution in
   six runs 40-70 turns into its 40 s deadline).
 """
