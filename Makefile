@@ -1,6 +1,7 @@
 # make run  : install (or refresh) .venv, then gyre run: the services (gyre up) and the demo campaign.
 # make screenshot : bench/results/ui.png, a campaign in the Prefect UI (headless chromium).
-# make test : install (or refresh) .venv, then lint, check the layer rules and run the tests.
+# make test : install (or refresh) .venv, then lint (ruff, the layer contracts, deptry) and run the tests.
+# make docs : the documentation site (MkDocs, strict: a broken link or a missing page fails) in site/.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: install run test lint bench clean screenshot browser
+.PHONY: install run test lint docs bench clean screenshot browser
 
 install: $(STAMP)
 
@@ -29,7 +30,13 @@ run: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	@if [ -f ../shared/tools/check_layers.py ]; then $(BIN)/python ../shared/tools/check_layers.py . && echo "layer rules: ok"; fi
+	# DESIGN.md section 3's layer rules and "no import circle": contracts in pyproject.toml
+	$(BIN)/lint-imports --no-cache
+	# every package the code imports is declared in pyproject.toml, and every declared one is used
+	$(BIN)/deptry .
+
+docs: install
+	$(BIN)/mkdocs build --strict --quiet
 
 # the UI test drives a real headless browser: Debian's chromium, installed here when it can be
 browser:
@@ -49,4 +56,4 @@ screenshot: install browser
 	$(BIN)/gyre bench ui --out bench/results/ui.png
 
 clean:
-	rm -rf $(VENV) gyre-data .pytest_cache .ruff_cache
+	rm -rf $(VENV) gyre-data site .pytest_cache .ruff_cache
