@@ -10,10 +10,15 @@ processes the campaign starts, [scheduler] -> who decides the cells' roles (task
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import tomllib
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from tasks.campaign import DispatchConfig, EvaluationConfig, ProblemsConfig
 from tasks.schedule import SchedulerConfig
@@ -51,6 +56,17 @@ class CampaignConfig(BaseModel):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        """Refuses a key no section knows, naming the nearest valid one: a typo such as ``step = 3``
+        beside ``steps = 8`` would otherwise be ignored and the campaign would run without it."""
+        if isinstance(data, dict):
+            problems = unknown_keys(cls, data)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return data
+
     @model_validator(mode="after")
     def _one_update_when_streaming(self) -> CampaignConfig:
         if self.scheduler.policy is not None and self.trainer.updates_per_step > 1:
@@ -84,4 +100,56 @@ class CampaignConfig(BaseModel):
             raise FileNotFoundError(f"campaign config {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"campaign config {path} is not valid TOML: {exc}") from None
-        return cls.model_validate(data)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:  # one line per problem, each with where it is in the file
+            lines = []
+            for error in exc.errors():
+                where = ".".join(str(part) for part in error["loc"])
+                message = error["msg"].removeprefix("Value error, ")
+                lines.append(f"[{where}] {message}" if where else message)
+            raise ValueError(f"campaign config {path}: " + "\n  ".join(lines)) from None
+
+
+def _sections(annotation: Any) -> list[type]:
+    """The config classes (pydantic models, dataclasses) an annotation names, through ``X | None``."""
+    if isinstance(annotation, type) and (
+        issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation)
+    ):
+        return [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [c for arg in typing.get_args(annotation) for c in _sections(arg)]
+    return []
+
+
+def _fields(section: type) -> dict[str, Any]:
+    """Key -> annotation of a config class (aliases count as keys too)."""
+    if issubclass(section, BaseModel):
+        found = {}
+        for name, info in section.model_fields.items():
+            found[name] = info.annotation
+            if info.alias:
+                found[info.alias] = info.annotation
+        return found
+    hints = typing.get_type_hints(section)
+    return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(section)}
+
+
+def unknown_keys(section: type, data: dict[str, Any], where: str = "") -> list[str]:
+    """Every key of ``data`` (a config as TOML or JSON gives it) that ``section`` and its nested sections
+    do not know, each with where it is and the nearest valid names."""
+    fields = _fields(section)
+    problems = []
+    for key, value in data.items():
+        if key not in fields:
+            near = difflib.get_close_matches(key, list(fields), n=2, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+            place = f"[{where}]" if where else "the top level"
+            problems.append(
+                f"unknown key {key!r} in {place} of the campaign config{hint} (valid: {', '.join(fields)})"
+            )
+            continue
+        nested = _sections(fields[key])
+        if isinstance(value, dict) and len(nested) == 1:
+            problems += unknown_keys(nested[0], value, f"{where}.{key}" if where else key)
+    return problems
