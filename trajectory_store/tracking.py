@@ -116,13 +116,15 @@ class TrackingConfig(BaseModel):
         board = self.tensorboard
         if board is None:
             board = str(local / "tensorboard")
+        elif board and "://" not in board:
+            board = str(Path(board).resolve())
         return TrackingTargets(
             campaign=campaign,
             data_root=data_root_tag(data_root),
             experiment=self.experiment,
             mlflow_uri=uri or None,
             artifact_location=artifacts,
-            tensorboard_root=str(Path(board).resolve()) if board and "://" not in board else board or None,
+            tensorboard_root=board or None,
         )
 
 
@@ -330,7 +332,11 @@ def sync_mlflow(
     if batch:
         client.log_batch(run_id, metrics=batch)
 
-    if image is not None and (new or CURVES not in {a.path for a in client.list_artifacts(run_id)}):
+    if (
+        image is not None
+        and points
+        and (new or CURVES not in {a.path for a in client.list_artifacts(run_id)})
+    ):
         with tempfile.TemporaryDirectory(prefix="gyre-curves-") as folder:
             path = Path(folder) / CURVES
             path.write_bytes(image())
