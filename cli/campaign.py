@@ -9,6 +9,7 @@ gyre deploy [--file deployments/prefect.yaml]   the scheduled campaigns, on the 
 gyre worker [--pool gyre]                   a process worker that runs them
 gyre bench learn [--quick] [--validation]   does the campaign teach the policy (held-out, paired)
 gyre bench ui [--out bench/results/ui.png]  a screenshot of a campaign in the Prefect UI
+gyre bench ui --mlflow [--config C]         ... of the config's campaign in the MLflow UI (mlflow.png)
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     ui = bench_commands.add_parser(
         "ui", help="a screenshot of a campaign in the Prefect UI (headless chromium)"
     )
-    ui.add_argument("--out", default="bench/results/ui.png", help="the screenshot (PNG)")
+    ui.add_argument(
+        "--out", default=None, help="the screenshot (default: bench/results/ui.png, mlflow.png with --mlflow)"
+    )
+    ui.add_argument(
+        "--mlflow", action="store_true", help="the MLflow UI of the config's campaign, synced from its store"
+    )
     ui.add_argument("--config", default=DEMO_CONFIG, help="campaign config of the campaign shown")
     ui.add_argument("--steps", type=int, default=1, help="steps of that campaign")
 
@@ -166,7 +172,11 @@ def run_campaign_command(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "ui":
         from bench.ui import main as bench_ui
 
-        return bench_ui(out=args.out, config_path=args.config, steps=args.steps)
+        if args.mlflow:
+            from bench.ui import mlflow_main
+
+            return mlflow_main(out=args.out or "bench/results/mlflow.png", config_path=args.config)
+        return bench_ui(out=args.out or "bench/results/ui.png", config_path=args.config, steps=args.steps)
     raise ValueError(f"unknown command {args.command!r}")
 
 
@@ -301,6 +311,10 @@ def _run(args: argparse.Namespace) -> int:
         f"Prefect UI: {record.prefect_ui_url or record.prefect_api_url}/runs  (campaign {config.name})",
         flush=True,
     )
+    from tasks.tracking import open_commands
+
+    for line in open_commands(config.tracking, config.store.model_copy(update={"campaign": config.name})):
+        print(line, flush=True)  # MLflow and TensorBoard (tasks/tracking.py)
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.campaign import campaign

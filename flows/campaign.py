@@ -45,6 +45,7 @@ from tasks.placement import Colocate, Placement
 from tasks.report import campaign_summary, role_timeline, start_progress, step_table, update_progress
 from tasks.schedule import ScheduleJob, run_scheduler
 from tasks.services import Services, campaign_services
+from tasks.tracking import track
 from tasks.train import TrainStepRequest, train_step
 from tasks.up import revivals
 
@@ -128,7 +129,13 @@ def _evaluate(config: CampaignConfig, services: Services, version: int) -> dict[
         config.evaluation,
     )
     record_evaluation(store, version, figures)
+    _track(config)
     return figures
+
+
+def _track(config: CampaignConfig) -> None:
+    """MLflow and TensorBoard catch up with the store (tasks/tracking.py); a view, never an error."""
+    track(config.tracking, campaign_store(config)[0], config.model_dump(mode="json"), config.steps)
 
 
 @flow(name="campaign", flow_run_name="{config.name}", log_prints=True)
@@ -140,6 +147,7 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
     progress = start_progress(config.name, min(start, config.steps), config.steps)
     if start >= config.steps:
         logger.info("campaign %s: every one of its %d steps is committed", config.name, config.steps)
+        _track(config)
         return []
     records = []
     with campaign_services(config.policy, store, config.serving) as services:
@@ -154,6 +162,7 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
             records.append(record)
             prune_checkpoints(store, step, config.keep_checkpoints)
             step_table(config.name, record)
+            _track(config)
             version = step + 1
             every = config.evaluation.every
             if version == config.steps or (every and version % every == 0):
@@ -196,6 +205,7 @@ def _scheduled(config: CampaignConfig, services: Services, start: int, progress)
         if "committed" in message:
             commits.append((message["wall"], message["committed"]))
             update_progress(progress, message["version"], config.steps)
+            _track(config)
 
     run_scheduler(job, config.steps - 1, on_line=seen)
     if samples:
