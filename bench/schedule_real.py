@@ -41,8 +41,8 @@ from sim.calibrate import Execution, MeasuredRun, calibrate, load_measured, pred
 from sim.presets import Preset
 from tasks.campaign import problems_for, run_missing
 from tasks.schedule import CampaignRuntime, cell_pool, run_controller
-from tasks.services import Services, policy_path, serve_version
-from tasks.stack import local_stack
+from tasks.services.campaign import Services, policy_path, serve_version
+from tasks.services.stack import local_stack
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig

@@ -110,7 +110,7 @@ def _config(args: argparse.Namespace):
 
 
 def _server_url(data_root: str) -> str:
-    from tasks.up import read_record
+    from tasks.services.up import read_record
 
     url = settings.prefect_api_url()
     if url:
@@ -132,7 +132,7 @@ def run_campaign_command(args: argparse.Namespace) -> int:
     if args.command == "status":
         return _status(_config(args).store.data_root)
     if args.command == "down":
-        from tasks.up import down
+        from tasks.services.up import down
 
         data_root = _config(args).store.data_root
         stopped = down(data_root)
@@ -147,9 +147,9 @@ def run_campaign_command(args: argparse.Namespace) -> int:
 
         url = _server_url(args.data_root or settings.default_data_root())
         settings.use_prefect_server(url)  # the worker process inherits it
-        from tasks.zombies import heartbeat_env
+        from tasks.services.zombies import heartbeat_env
 
-        os.environ.update(heartbeat_env())  # and its flow runs beat (tasks/zombies.py)
+        os.environ.update(heartbeat_env())  # and its flow runs beat (tasks/services/zombies.py)
         command = worker_command(args.pool)
         print(f"worker for pool {args.pool} on {url}", file=sys.stderr)
         os.execv(command[0], command)
@@ -171,7 +171,7 @@ def run_campaign_command(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace, quiet: bool):
-    from tasks.up import up
+    from tasks.services.up import up
 
     config = _config(args)
     ports = {
@@ -206,7 +206,7 @@ def _say_revived(names: list[str], error: Exception | None) -> None:
 
 
 def _watch_forever(data_root: str) -> None:
-    from tasks.up import watch
+    from tasks.services.up import watch
 
     print("watching: a service whose process dies is started again (Ctrl-C stops watching)", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
@@ -214,7 +214,7 @@ def _watch_forever(data_root: str) -> None:
 
 
 def _status(data_root: str) -> int:
-    from tasks.up import status
+    from tasks.services.up import status
 
     rows = status(data_root)
     if not rows:
@@ -231,7 +231,7 @@ def _deploy(args: argparse.Namespace) -> int:
     from deployments.deploy import register
 
     url = _server_url(args.data_root or settings.default_data_root())
-    from tasks.zombies import ensure_zombie_automation
+    from tasks.services.zombies import ensure_zombie_automation
 
     with temporary_settings({PREFECT_API_URL: url}):
         ids = register(args.file)
@@ -309,8 +309,8 @@ def _run(args: argparse.Namespace) -> int:
     started = time.time()
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
-    from tasks.up import watch
-    from tasks.zombies import HEARTBEAT_S
+    from tasks.services.up import watch
+    from tasks.services.zombies import HEARTBEAT_S
 
     beating = {PREFECT_API_URL: record.prefect_api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}
     stop = threading.Event()  # while the campaign runs, a service that dies is started again
@@ -319,7 +319,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     supervisor.start()
     try:
-        with temporary_settings(beating), Progress(config):  # a killed campaign is found (tasks/zombies.py)
+        with (
+            temporary_settings(beating),
+            Progress(config),
+        ):  # a killed campaign is found (tasks/services/zombies.py)
             campaign(config)
     finally:
         stop.set()

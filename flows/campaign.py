@@ -13,7 +13,7 @@ One step, top to bottom (each line a task): serve version n -> choose problems -
 record, grade, snapshots for timeouts) -> [top up zero-signal groups] -> pack (trees, selection,
 group-relative advantages, staleness) -> free the engines -> train (version n -> n + 1, checkpoint,
 publish) -> commit. The placement (which engines serve, which cells train) comes from
-tasks.services.Placement; this issue's is Colocate.
+tasks/services/placement.py; this issue's is Colocate.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from tasks.campaign import (
     roll_out,
     serve,
 )
-from tasks.placement import Colocate, Placement
 from tasks.report import campaign_summary, role_timeline, start_progress, step_table, update_progress
 from tasks.schedule import ScheduleJob, run_scheduler
-from tasks.services import Services, campaign_services
+from tasks.services.campaign import Services, campaign_services
+from tasks.services.placement import Colocate, Placement
+from tasks.services.up import revivals
 from tasks.train import TrainStepRequest, train_step
-from tasks.up import revivals
 
 
 def campaign_store(config: CampaignConfig):

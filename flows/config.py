@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from tasks.campaign import DispatchConfig, EvaluationConfig, ProblemsConfig
 from tasks.schedule import SchedulerConfig
-from tasks.services import ServingConfig
+from tasks.services.campaign import ServingConfig
 from tasks.train import TrainerConfig
 from tasks.trajectory import PackingConfig, SelectionConfig, StoreConfig
 

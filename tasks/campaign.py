@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field, model_validator
 from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch_missing
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
-from tasks.services import (
+from tasks.services.campaign import (
     Services,
     policy_path,
     prune_fast_dir,

@@ -55,7 +55,7 @@ from tasks.campaign import (
     write_metric_rows,
     write_metrics,
 )
-from tasks.services import Services, policy_path, serve_version
+from tasks.services.campaign import Services, policy_path, serve_version
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.processor import pack

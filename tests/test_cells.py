@@ -21,7 +21,7 @@ from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.stream import StreamProducer, write_chunk
 from scheduler.cells import Admin, CellPool, CellSpec
-from tasks.stack import local_stack
+from tasks.services.stack import local_stack
 from tests.campaign_fixtures import tiny_policy
 from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
 from trajectory_store.storage import StoreConfig
