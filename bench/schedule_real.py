@@ -37,10 +37,11 @@ from environments.problems import Problem
 from scheduler.cells import Admin
 from scheduler.controller import Controller, RunReport, StepWork
 from scheduler.policy import make_policy
+from scheduler.service import cell_pool, run_controller
 from sim.calibrate import Execution, MeasuredRun, calibrate, load_measured, predict, save_measured
 from sim.presets import Preset
 from tasks.campaign import problems_for, run_missing
-from tasks.schedule import CampaignRuntime, cell_pool, run_controller
+from tasks.schedule import CampaignRuntime
 from tasks.services.campaign import Services, policy_path, serve_version
 from tasks.services.stack import local_stack
 from trajectory_store.config import PackingConfig, SelectionConfig

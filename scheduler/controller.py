@@ -10,7 +10,9 @@ joined take its micro-batches, and the step closes when its last group is in. Th
 new version, the engines that serve swap to it, and the next step opens at once.
 
 Nothing here knows about Prefect, problems or storage: a `Runtime` (tasks/schedule.py) runs one
-execution, packs one group, starts the core's training process and swaps engine weights.
+execution, packs one group, starts the core's training process and swaps engine weights. Each step
+the core trains ends as a `StepDone` (with the core's TrainStepReport) handed to ``on_step``, which
+commits it (scheduler/service.py).
 
     controller = Controller(policy, pool, runtime, sessions_per_cell=2)
     report = asyncio.run(controller.run([StepWork(0, problems, group_size=4), ...], start_version=0))
@@ -21,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from engines.train.run import TrainStepReport
 from scheduler.cells import CellPool, Switch
 from scheduler.policy import CellState, Policy, SchedulerState, StepProgress
 
@@ -56,7 +59,7 @@ class Training(Protocol):
 
     def close(self) -> None: ...
 
-    def wait(self) -> dict[str, Any]: ...  # the step's report: version, policy_path, metrics
+    def wait(self) -> TrainStepReport: ...  # what the core did: the version it made, its metrics
 
 
 class Runtime(Protocol):
@@ -91,6 +94,25 @@ class StepWork:
         ]
 
 
+@dataclass(frozen=True)
+class StepDone:
+    """A step whose version the core published, as the controller saw it: seconds since the run
+    began (``*_s``) and wall-clock times (``*_at``, time.time(): what the store records)."""
+
+    step: int
+    version: int
+    executions: int
+    groups_trained: int
+    groups_skipped: int
+    rollout_s: float  # its first dispatch to its last execution's end
+    rolled_out_s: float
+    ended_s: float
+    started_at: float  # its first dispatch (every member ended before a restart: rolled_out_at)
+    rolled_out_at: float  # its last execution's end
+    ended_at: float  # its version published
+    metrics: dict[str, float]  # the core's
+
+
 @dataclass
 class _Step:
     work: StepWork
@@ -104,7 +126,7 @@ class _Step:
     training: Training | None = None
     closed: bool = False
     behaviour_versions: list[int] = field(default_factory=list)  # of unfinished executions
-    started_at: float | None = None
+    started_at: float | None = None  # its first dispatch
     rolled_out_at: float | None = None
 
     @property
@@ -119,7 +141,7 @@ class _Step:
 @dataclass
 class RunReport:
     makespan_s: float
-    steps: list[dict[str, Any]]
+    steps: list[StepDone]
     switches: list[Switch]
     timeline: list[tuple[float, str, str]]  # (seconds, cell id, role): every role change
     decisions: int
@@ -136,7 +158,7 @@ class RunReport:
             "switch_to_rollout_s": sorted(by["rollout"]),
             "executions": len(self.outcomes),
             "mean_reward": sum(o.reward for o in self.outcomes) / max(len(self.outcomes), 1),
-            "steps": self.steps,
+            "steps": [asdict(step) for step in self.steps],
         }
 
 
@@ -149,11 +171,11 @@ class Controller:
         *,
         sessions_per_cell: int,
         tick_s: float = TICK_S,
-        on_step: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+        on_step: Callable[[StepDone, TrainStepReport], None] | None = None,
         on_tick: Callable[[dict[str, Any]], None] | None = None,
     ):
-        """`on_step(step figures, the core's report)` runs once a step's version is published (a
-        campaign commits it there); `on_tick(summary)` every tick (a heartbeat)."""
+        """`on_step(the step, the core's report)` runs once a step's version is published (a campaign
+        commits it there); `on_tick(summary)` every tick (a heartbeat)."""
         self.policy, self.pool, self.runtime = policy, pool, runtime
         self.sessions_per_cell, self.tick_s = sessions_per_cell, tick_s
         self.on_step, self.on_tick = on_step, on_tick
@@ -169,6 +191,7 @@ class Controller:
         """Runs `work` (consecutive steps, the first trains `start_version`) to its last update."""
         self.pool.started = self.pool.clock()
         started = time.monotonic()
+        self._wall = time.time() - started  # monotonic -> wall clock
         steps = [_Step(w, w.members()) for w in work]
         for step in steps:
             for (problem_id, _), outcome in sorted(step.work.finished.items()):
@@ -176,7 +199,7 @@ class Controller:
                 step.dispatched += 1
                 self._finished(step, problem, outcome)
         self.version = start_version
-        self.reports: list[dict[str, Any]] = []
+        self.reports: list[StepDone] = []
         for cell in self.pool.cells.values():
             self.timeline.append((0.0, cell.spec.cell_id, cell.role))
         trainer = asyncio.create_task(self._train(steps, started))
@@ -220,8 +243,8 @@ class Controller:
             step.closed = True
             await asyncio.to_thread(step.training.close)
             report = await asyncio.to_thread(step.training.wait)
-            self.reports.append(self._step_report(step, report, started))
-            self.version = int(report["version"])
+            self.reports.append(self._step_done(step, report, started))
+            self.version = report.version
             if self.on_step is not None:
                 await asyncio.to_thread(self.on_step, self.reports[-1], report)
             await self._serve_new_version()
@@ -359,19 +382,24 @@ class Controller:
             train_backlog_s=0.0,
         )
 
-    def _step_report(self, step: _Step, report: dict[str, Any], started: float) -> dict[str, Any]:
+    def _step_done(self, step: _Step, report: TrainStepReport, started: float) -> StepDone:
         now = time.monotonic()
-        return {
-            "step": step.work.step,
-            "version": report.get("version"),
-            "executions": step.executions,
-            "groups_trained": step.appended,
-            "groups_skipped": step.skipped,
-            "rollout_s": round((step.rolled_out_at or now) - (step.started_at or now), 2),
-            "rolled_out_s": round((step.rolled_out_at or now) - started, 2),
-            "ended_s": round(now - started, 2),
-            "metrics": report.get("metrics", {}),
-        }
+        rolled_out = step.rolled_out_at or now
+        began = min(step.started_at or rolled_out, rolled_out)  # every member ended before: no rollout
+        return StepDone(
+            step=step.work.step,
+            version=report.version,
+            executions=step.executions,
+            groups_trained=step.appended,
+            groups_skipped=step.skipped,
+            rollout_s=round(rolled_out - began, 2),
+            rolled_out_s=round(rolled_out - started, 2),
+            ended_s=round(now - started, 2),
+            started_at=self._wall + began,
+            rolled_out_at=self._wall + rolled_out,
+            ended_at=self._wall + now,
+            metrics=dict(report.metrics),
+        )
 
 
 def _drain_result(replica) -> None:
