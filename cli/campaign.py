@@ -346,9 +346,10 @@ def _run(args: argparse.Namespace) -> int:
             f"held-out version {version}: pass rate {figures.get('pass_rate', 0):.3f}, mean reward {figures.get('mean_reward', 0):.3f}"
         )
     if 0 in evaluations and config.steps in evaluations:
-        from bench.learn import figures_of
+        from flows.campaign import campaign_store
+        from tasks.report import held_out_gain
 
-        learned = figures_of(config, steps, 0.0)
+        learned = held_out_gain(campaign_store(config)[1], 0, config.steps)
         print(
             f"held-out gain {learned['pass_rate_gain']} (95% CI [{learned['pass_rate_gain_ci95_low']}, "
             f"{learned['pass_rate_gain_ci95_high']}], paired over {learned['held_out_problems']} problems; "
