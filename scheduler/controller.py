@@ -23,22 +23,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.train.run import TrainStepReport
-from scheduler.cells import CellPool, Switch
+from scheduler.cells import CellPool
 from scheduler.policy import CellState, Policy, SchedulerState, StepProgress
+from scheduler.report import Outcome, RunReport, StepDone, cpu_busy, cpu_times
 
 TICK_S = 0.25
-
-
-@dataclass(frozen=True)
-class Outcome:
-    execution_id: str
-    group_id: str
-    status: str
-    reward: float
 
 
 @dataclass(frozen=True)
@@ -94,25 +87,6 @@ class StepWork:
         ]
 
 
-@dataclass(frozen=True)
-class StepDone:
-    """A step whose version the core published, as the controller saw it: seconds since the run
-    began (``*_s``) and wall-clock times (``*_at``, time.time(): what the store records)."""
-
-    step: int
-    version: int
-    executions: int
-    groups_trained: int
-    groups_skipped: int
-    rollout_s: float  # its first dispatch to its last execution's end
-    rolled_out_s: float
-    ended_s: float
-    started_at: float  # its first dispatch (every member ended before a restart: rolled_out_at)
-    rolled_out_at: float  # its last execution's end
-    ended_at: float  # its version published
-    metrics: dict[str, float]  # the core's
-
-
 @dataclass
 class _Step:
     work: StepWork
@@ -138,30 +112,6 @@ class _Step:
         return sum(len(v) == self.work.group_size for v in self.outcomes.values())
 
 
-@dataclass
-class RunReport:
-    makespan_s: float
-    steps: list[StepDone]
-    switches: list[Switch]
-    timeline: list[tuple[float, str, str]]  # (seconds, cell id, role): every role change
-    decisions: int
-    outcomes: list[Outcome]
-
-    def figures(self) -> dict[str, Any]:
-        by = {"train": [], "rollout": []}
-        for s in self.switches:
-            by[s.to].append(s.seconds)
-        return {
-            "makespan_s": round(self.makespan_s, 2),
-            "switches": len(self.switches),
-            "switch_to_train_s": sorted(by["train"]),
-            "switch_to_rollout_s": sorted(by["rollout"]),
-            "executions": len(self.outcomes),
-            "mean_reward": sum(o.reward for o in self.outcomes) / max(len(self.outcomes), 1),
-            "steps": [asdict(step) for step in self.steps],
-        }
-
-
 class Controller:
     def __init__(
         self,
@@ -176,6 +126,8 @@ class Controller:
     ):
         """`on_step(the step, the core's report)` runs once a step's version is published (a campaign
         commits it there); `on_tick(summary)` every tick (a heartbeat)."""
+        if sum(c.spec.core for c in pool.cells.values()) != 1:
+            raise ValueError("the controller needs a pool with exactly one core cell (it trains every step)")
         self.policy, self.pool, self.runtime = policy, pool, runtime
         self.sessions_per_cell, self.tick_s = sessions_per_cell, tick_s
         self.on_step, self.on_tick = on_step, on_tick
@@ -190,6 +142,7 @@ class Controller:
     async def run(self, work: Sequence[StepWork], start_version: int = 0) -> RunReport:
         """Runs `work` (consecutive steps, the first trains `start_version`) to its last update."""
         self.pool.started = self.pool.clock()
+        cpu = cpu_times()
         started = time.monotonic()
         self._wall = time.time() - started  # monotonic -> wall clock
         steps = [_Step(w, w.members()) for w in work]
@@ -228,6 +181,7 @@ class Controller:
             timeline=self.timeline,
             decisions=self.decisions,
             outcomes=self.outcomes,
+            cpu_busy=cpu_busy(cpu, cpu_times()),
         )
 
     async def _train(self, steps: list[_Step], started: float) -> None:

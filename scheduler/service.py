@@ -29,8 +29,9 @@ from pydantic import BaseModel, Field
 
 from engines.train.run import TrainStepReport
 from scheduler.cells import Admin, CellPool, CellSpec, Switch
-from scheduler.controller import Controller, RunReport, Runtime, StepDone, StepWork
+from scheduler.controller import Controller, Runtime, StepWork
 from scheduler.policy import make_policy
+from scheduler.report import RunReport, StepDone
 
 
 class SchedulerConfig(BaseModel):
@@ -73,7 +74,7 @@ def cell_pool(admin: Admin, engine_urls: list[str], model_dir: str) -> CellPool:
     """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``."""
     engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
     specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
-    return CellPool(admin, specs, model_dir, threads=1)
+    return CellPool.behind_gateway(admin, specs, model_dir, threads=1)
 
 
 def run_controller(
@@ -108,7 +109,7 @@ def schedule_steps(
     # the store says is current, and the gateway routes to all of them again.
     campaign.serve([cell.spec.engine_url for cell in pool.cells.values()], start)
     for cell in pool.cells.values():
-        pool.admin.gateway("POST", f"/admin/engines/{cell.spec.engine_id}/activate")
+        cell.engine.register()
     work = [campaign.step_work(step) for step in range(start, steps)]
 
     counted = 0  # switches already counted in a committed step

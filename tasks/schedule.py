@@ -49,7 +49,8 @@ from environments.dispatch import (
 from environments.problems import Problem
 from environments.zygote import Zygote
 from scheduler.cells import Admin, Switch
-from scheduler.controller import Chunk, Outcome, StepDone, StepWork
+from scheduler.controller import Chunk, StepWork
+from scheduler.report import Outcome, StepDone
 from scheduler.service import SchedulerConfig, cell_pool, schedule_steps
 from tasks.campaign import (
     ProblemsConfig,

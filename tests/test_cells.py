@@ -74,7 +74,7 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
             CellSpec("cell-0", engines[other], other, core=True),
             CellSpec("cell-1", engines[first], first),
         ]
-        pool = CellPool(admin, specs, trainer_model)
+        pool = CellPool.behind_gateway(admin, specs, trainer_model)
         try:
             core = CoreTrainer(_load(trainer_model), config)
             coordinator = ElasticCoordinator(core)
