@@ -21,6 +21,10 @@ import sys
 import threading
 import time
 
+from rich.console import Console
+from rich.progress import BarColumn, TextColumn
+from rich.progress import Progress as RichProgress
+
 from cli import settings
 from cli.format import render
 
@@ -243,55 +247,64 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 class Progress:
-    """One line on stderr, redrawn every few seconds: committed steps and the current step's executions."""
+    """A rich progress bar on stderr, refreshed every few seconds: committed steps and the current
+    step's executions (or, before a step's first execution, the held-out evaluation of that version)."""
 
     def __init__(self, config) -> None:
         self.config = config
         self.expected = config.problems.per_step * config.dispatch.group_size
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.bar = RichProgress(
+            BarColumn(bar_width=24), TextColumn("{task.description}"), console=Console(stderr=True)
+        )
+        self.task = self.bar.add_task("", total=max(config.steps, 1))
 
     def __enter__(self) -> Progress:
+        self.bar.start()
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join(timeout=5)
-        print(file=sys.stderr)
+        self.bar.stop()
 
-    def line(self) -> str:
+    def state(self) -> tuple[float, str]:
+        """(steps done, a fraction of the current step included; what the bar says)."""
         from tasks.campaign import committed_steps
         from trajectory_store.storage import Store, StoreConfig
 
         store: StoreConfig = self.config.store.model_copy(update={"campaign": self.config.name})
         done = len(committed_steps(store))
-        steps = self.config.steps
         rows = Store(store).read_table("executions").to_pylist()
         current = [r for r in rows if r["step"] == done]
         rewards = [r["reward"] for r in current if r["reward"] is not None]
-        width = 24
-        filled = int(
-            width * (done + min(len(current), self.expected) / max(self.expected, 1)) / max(steps, 1)
-        )
-        bar = "#" * min(filled, width) + "." * (width - min(filled, width))
-        head = f"[{bar}] {done}/{steps} steps committed; "
+        completed = done + min(len(current), self.expected) / max(self.expected, 1)
+        head = f"{done}/{self.config.steps} steps committed; "
         if not current:  # before a step's first execution: the held-out evaluation of that version, if due
             evaluation = self.config.evaluation
             expected = evaluation.per_suite * len(self.config.problems.suites) * evaluation.samples
             held_out = Store(store.model_copy(update={"campaign": f"{self.config.name}-eval"}))
             evaluated = held_out.read_columns("executions", ["execution_id"], done).num_rows
             if 0 < evaluated < expected:
-                return head + f"evaluating version {done}: {evaluated}/{expected} held-out executions"
+                return (
+                    completed,
+                    head + f"evaluating version {done}: {evaluated}/{expected} held-out executions",
+                )
         reward = f", mean reward {sum(rewards) / len(rewards):.2f}" if rewards else ""
-        return head + f"step {done}: {len(current)}/{self.expected} executions{reward}"
+        return completed, head + f"step {done}: {len(current)}/{self.expected} executions{reward}"
+
+    def line(self) -> str:
+        return self.state()[1]
 
     def _run(self) -> None:
         while not self.stop.wait(3):
             try:
-                print("\r" + self.line().ljust(100), end="", file=sys.stderr, flush=True)
+                completed, text = self.state()
             except Exception:  # a half-written part is read next time; the bar is only a view
                 continue
+            self.bar.update(self.task, completed=completed, description=text, refresh=True)
 
 
 def _run(args: argparse.Namespace) -> int:
