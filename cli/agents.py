@@ -229,7 +229,12 @@ def run_rollout_command(args: argparse.Namespace) -> int:
         rows.header()
         try:
             outcomes = run_rollout(
-                problems, gateway, token, store, config, lambda o: rows.add(outcome_values(o), o.error or "")
+                problems,
+                gateway,
+                token,
+                store,
+                config,
+                on_outcome=lambda o: rows.add(outcome_values(o), o.error or ""),
             )
         except GatewayAdminError as exc:
             if exc.status != 409:
@@ -251,6 +256,22 @@ def run_rollout_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# the options of `gyre model sft` named as tasks/sft.py sft_model's parameters, passed as they are
+SFT_OPTIONS = [
+    "train_problems",
+    "eval_problems",
+    "steps",
+    "batch_size",
+    "lr",
+    "copy_steps",
+    "difficulty",
+    "seed",
+    "eval_seed",
+    "recovery_share",
+    "give_up_share",
+]
+
+
 def run_sft_command(args: argparse.Namespace) -> int:
     from tasks.sft import sft_model
 
@@ -259,18 +280,8 @@ def run_sft_command(args: argparse.Namespace) -> int:
         args.model,
         args.out,
         suites=suites,
-        train_problems=args.train_problems,
-        eval_problems=args.eval_problems,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        copy_steps=args.copy_steps,
-        difficulty=args.difficulty,
         evaluate=not args.no_eval,
-        seed=args.seed,
-        eval_seed=args.eval_seed,
-        recovery_share=args.recovery_share,
-        give_up_share=args.give_up_share,
+        **{name: getattr(args, name) for name in SFT_OPTIONS},
     )
     training = report["training"]
     if "copy" in training:

@@ -80,11 +80,7 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     learn.add_argument("--quick", action="store_true", help="configs/learn-quick.toml (what make run shows)")
     learn.add_argument("--config", default=None, help="another campaign config")
     learn.add_argument("--out", default="bench/results/learn.json", help="where the figures go (JSON)")
-    learn.add_argument(
-        "--data-root",
-        default=None,
-        help="keep the campaign's data here (default: a temporary folder, removed)",
-    )
+    learn.add_argument("--data-root", default=None, help="keep the data here (default: a temporary folder)")
     learn.add_argument(
         "--validation",
         action="store_true",

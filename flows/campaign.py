@@ -70,15 +70,9 @@ def rl_step(
     rolled = time.time()
     training = placement.training(services, config.serving)
     free_engines(services, training.sleeping, step)
+    threads = training.trainer_threads
     request = step_request(
-        step,
-        services,
-        config.policy,
-        config.trainer,
-        threads=training.trainer_threads,
-        seed=config.seed,
-        batch_uri=batch.uri,
-        n_executions=batch.n_executions,
+        step, services, config.policy, config.trainer, threads=threads, seed=config.seed, batch=batch
     )
     report = train_step(request)
     times = StepTimes(started=started, rolled_out=rolled, ended=time.time())
@@ -157,20 +151,9 @@ def _scheduled(config: CampaignConfig, services: Services, start: int, progress)
     """The steps under the scheduler service (tasks/schedule.py): one long-running task that keeps a
     scheduler process alive; each step it commits shows up here as it lands."""
     store, _ = campaign_store(config)
+    from_config = ScheduleJob.model_fields.keys() - {"start", "store", "services"}  # named as in the config
     job = ScheduleJob(
-        scheduler=config.scheduler,
-        policy=config.policy,
-        steps=config.steps,
-        start=start,
-        seed=config.seed,
-        max_policy_lag=config.max_policy_lag,
-        store=store,
-        problems=config.problems,
-        dispatch=config.dispatch,
-        selection=config.selection,
-        packing=config.packing,
-        trainer=config.trainer,
-        services=services,
+        start=start, store=store, services=services, **{name: getattr(config, name) for name in from_config}
     )
 
     samples: list[dict] = []  # heartbeats where the roles changed: wall time, roles, cells switching

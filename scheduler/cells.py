@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from engines.train.elastic import ElasticConfig, run_satellite
+from engines.train.elastic import run_satellite
 from scheduler.policy import CellState, Role
 
 JOIN_TIMEOUT_S = 120.0  # a replica that has not joined by then has failed (start-up is seconds)
@@ -111,15 +111,12 @@ def replica_main(model_dir: str, threads: int, loss: dict, commands, events, lea
         command = commands.get()
         if command[0] == "stop":
             return
-        _, host, port, step = command
+        _, *address = command  # host, port, step
         try:
             result = run_satellite(
-                host,
-                port,
-                step,
+                *address,
                 worker,
                 read_batch,
-                config=ElasticConfig(),
                 leave=leave.is_set,
                 joined=lambda info: events.put(("joined", info)),
             )

@@ -370,15 +370,17 @@ def step_record_path(store: Store, step: int) -> str:
     return store.path(f"steps/step={step}.json")
 
 
-def committed_steps(store: StoreConfig) -> list[StepRecord]:
-    target = Store(store)
-    base = target.path("steps")
+def _json_files(target: Store, folder: str) -> list[str]:
+    """The .json files under ``folder`` of the campaign, sorted (none: [])."""
+    base = target.path(folder)
     if not target.fs.exists(base):
         return []
-    records = []
-    for path in sorted(target.fs.find(base)):
-        if path.endswith(".json"):
-            records.append(StepRecord.model_validate_json(target.read_bytes(path)))
+    return sorted(path for path in target.fs.find(base) if path.endswith(".json"))
+
+
+def committed_steps(store: StoreConfig) -> list[StepRecord]:
+    target = Store(store)
+    records = [StepRecord.model_validate_json(target.read_bytes(p)) for p in _json_files(target, "steps")]
     return sorted(records, key=lambda r: r.step)
 
 
@@ -477,13 +479,10 @@ def record_evaluation(store: StoreConfig, version: int, figures: dict[str, float
 def committed_evaluations(store: StoreConfig) -> dict[int, dict[str, float]]:
     """Version -> figures of every recorded held-out evaluation."""
     target = Store(store)
-    base = target.path("evaluations")
-    if not target.fs.exists(base):
-        return {}
     found = {}
-    for path in target.fs.find(base):
+    for path in _json_files(target, "evaluations"):
         name = path.rsplit("/", 1)[-1]
-        if name.startswith("version=") and name.endswith(".json"):
+        if name.startswith("version="):
             found[int(name[len("version=") : -len(".json")])] = json.loads(target.read_bytes(path))["figures"]
     return dict(sorted(found.items()))
 

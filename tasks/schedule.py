@@ -148,15 +148,9 @@ class CampaignRuntime:
         if self.core is None:
             self.core = CoreService(self.trainer_threads)
         request = step_request(
-            step,
-            self.services,
-            self.init_model,
-            self.trainer,
-            threads=self.trainer_threads,
-            seed=self.seed,
-            stream=True,
+            step, self.services, self.init_model, self.trainer, threads=self.trainer_threads, seed=self.seed
         )
-        return self.core.step(request)
+        return self.core.step(request)  # no batch: the step streams
 
     async def aclose(self) -> None:
         """Ends what lives in the event loop (the harness zygote); call before the loop ends."""

@@ -29,6 +29,7 @@ from prefect.runtime import task_run
 from engines.train.config import LossConfig, TrainerConfig
 from engines.train.run import TrainStepReport, TrainStepRequest
 from engines.train.stream import StreamProducer
+from tasks.campaign import BatchSummary
 from tasks.services.campaign import Services
 
 if TYPE_CHECKING:
@@ -52,27 +53,25 @@ def step_request(
     *,
     threads: int,
     seed: int,
-    batch_uri: str | None = None,
-    n_executions: int = 0,
-    stream: bool = False,
+    batch: BatchSummary | None = None,
 ) -> TrainStepRequest:
     """Step ``step`` of a campaign on ``services``: it resumes the previous step's checkpoint (the
     starting policy at step 0), writes its own and publishes under the campaign's folder; it trains
-    ``batch_uri`` (the step flow) or the chunks streamed to it (``stream``: the scheduler)."""
+    ``batch`` (the step flow), or without one the chunks streamed to it (the scheduler)."""
     root = services.policy_root
     return TrainStepRequest(
         step=step,
         init_model=init_model,
         resume_from=f"{root}/checkpoints/step={step - 1}" if step > 0 else None,
-        batch_uri=batch_uri,
-        n_executions=n_executions,
+        batch_uri=batch.uri if batch else None,
+        n_executions=batch.n_executions if batch else 0,
         checkpoint_url=f"{root}/checkpoints/step={step}",
         policy_root=root,
         fast_dir=services.fast_dir,
         trainer=trainer,
         threads=threads,
         seed=seed,
-        stream=stream,
+        stream=batch is None,
     )
 
 
