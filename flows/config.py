@@ -5,7 +5,7 @@
 Each section goes only to the layer it belongs to: [store] -> storage, [selection] -> the DuckDB
 selection views, [packing] -> the processor, [problems] and [evaluation] -> the campaign's problem
 choice, [dispatch] -> the dispatcher and the harness, [trainer] -> the core cell, [serving] -> the
-processes the campaign starts, [scheduler] -> who decides the cells' roles (tasks/schedule.py).
+processes the campaign starts, [scheduler] -> who decides the cells' roles (scheduler/service.py).
 """
 
 from __future__ import annotations
