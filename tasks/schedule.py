@@ -206,6 +206,28 @@ class CampaignRuntime:
         return record.version
 
 
+def write_switch_metrics(store: StoreConfig, step: int, switches: list[Switch]) -> None:
+    """Every switch of a step as metrics rows: its total and each phase, with its cell and what it
+    moved (detail: JSON), so `gyre sql` answers "how long did drains take, per cell"."""
+    rows: list[tuple[str, float, str | None, str, float]] = []
+    for switch in switches:
+        detail = json.dumps(switch.detail, sort_keys=True, default=str)
+        rows.append((f"switch_to_{switch.to}_s", switch.seconds, switch.cell_id, detail, switch.started))
+        for phase, seconds in switch.phases.items():
+            rows.append((f"switch_to_{switch.to}_{phase}_s", seconds, switch.cell_id, detail, switch.started))
+    write_metric_rows(store, step, rows, f"switches-{step}")
+
+
+def switch_figures(switches: list[Switch]) -> dict[str, float]:
+    """A step's switches: how many, and the p50 seconds of each direction that happened."""
+    figures = {"switches": float(len(switches))}
+    for role in ("train", "rollout"):
+        p50 = quantile([s.seconds for s in switches if s.to == role], 0.5)
+        if p50 is not None:
+            figures[f"switch_to_{role}_p50_s"] = p50
+    return figures
+
+
 # -- the scheduler as a process, and its supervisor ------------------------------------------------
 
 log = logging.getLogger("gyre.scheduler")
@@ -235,28 +257,6 @@ class ScheduleJob(BaseModel):
         plain["services"]["admin_token"] = self.services.admin_token.get_secret_value()
         plain["services"]["engine_admin_token"] = self.services.engine_admin_token.get_secret_value()
         return json.dumps(plain)
-
-
-def write_switch_metrics(store: StoreConfig, step: int, switches: list[Switch]) -> None:
-    """Every switch of a step as metrics rows: its total and each phase, with its cell and what it
-    moved (detail: JSON), so `gyre sql` answers "how long did drains take, per cell"."""
-    rows: list[tuple[str, float, str | None, str, float]] = []
-    for switch in switches:
-        detail = json.dumps(switch.detail, sort_keys=True, default=str)
-        rows.append((f"switch_to_{switch.to}_s", switch.seconds, switch.cell_id, detail, switch.started))
-        for phase, seconds in switch.phases.items():
-            rows.append((f"switch_to_{switch.to}_{phase}_s", seconds, switch.cell_id, detail, switch.started))
-    write_metric_rows(store, step, rows, f"switches-{step}")
-
-
-def switch_figures(switches: list[Switch]) -> dict[str, float]:
-    """A step's switches: how many, and the p50 seconds of each direction that happened."""
-    figures = {"switches": float(len(switches))}
-    for role in ("train", "rollout"):
-        p50 = quantile([s.seconds for s in switches if s.to == role], 0.5)
-        if p50 is not None:
-            figures[f"switch_to_{role}_p50_s"] = p50
-    return figures
 
 
 def main() -> int:
