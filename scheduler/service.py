@@ -56,18 +56,21 @@ class SchedulerConfig(BaseModel):
 
 
 class Campaign(Runtime, Protocol):
-    """A campaign's pieces, as the loop uses them (tasks/schedule.py CampaignRuntime)."""
+    """A campaign's pieces, as the loop uses them (tasks/schedule.py CampaignRuntime): a Runtime (one
+    execution, one group packed, a training step, a version served) and
 
-    def step_work(self, step: int) -> StepWork: ...  # its problems; members that ended are `finished`
+    - ``step_work(step)``: its problems, and the members that ended before (a restart) as finished;
+    - ``commit(done, report, switches)``: commits the step (what the core did, the step's figures, the
+      switches since the last commit) and returns the version committed;
+    - ``aclose()`` in the loop's event loop (the harness zygote), ``close()`` after it (the core)."""
+
+    def step_work(self, step: int) -> StepWork: ...
 
     def commit(self, done: StepDone, report: TrainStepReport, switches: list[Switch]) -> int: ...
 
-    # commits the step (what the core did, the step's figures, the switches since the last commit);
-    # returns the version committed
+    async def aclose(self) -> None: ...
 
-    async def aclose(self) -> None: ...  # what lives in the loop's event loop (the harness zygote)
-
-    def close(self) -> None: ...  # the rest (the core's process)
+    def close(self) -> None: ...
 
 
 def cell_pool(admin: Admin, engine_urls: list[str], model_dir: str) -> CellPool:
