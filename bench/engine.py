@@ -49,7 +49,8 @@ import pyarrow.compute as pc
 import torch
 
 from bench.engine_workload import bench_engine, bench_migration
-from tasks.stack import free_port, serving_process
+from engines.ports import free_port
+from tasks.services.stack import serving_process
 
 DEFAULT_OUT = "bench/results/engine.json"
 PRESETS: dict[str, dict[str, Any]] = {

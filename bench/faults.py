@@ -63,6 +63,7 @@ from typing import Any
 
 import httpx
 
+from engines.ports import free_port
 from environments.dispatch import (
     DispatchConfig,
     DurationProfile,
@@ -74,8 +75,8 @@ from environments.dispatch import (
 from environments.problems import Problem
 from environments.sandbox import release_mounts
 from tasks.rollout import choose_problems
-from tasks.services import Services  # module level: the flow's annotations resolve against it
-from tasks.stack import LocalStack, free_port, local_stack, serving_process
+from tasks.services.campaign import Services  # module level: the flow's annotations resolve against it
+from tasks.services.stack import LocalStack, local_stack, serving_process
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from tasks.up import revivals
+from tasks.services.up import revivals
 from trajectory_store.storage import Store, StoreConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ def pids_running(marker: bytes, *also: bytes) -> list[int]:
 
 
 def service_pid(data_root: str, name: str) -> int:
-    from tasks.up import read_record
+    from tasks.services.up import read_record
 
     record = read_record(data_root)
     assert record is not None, f"no gyre up record for {data_root}"
@@ -285,7 +285,7 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
     from environments.problems import Problem
     from flows.config import CampaignConfig
     from tasks.campaign import choose_problems
-    from tasks.up import read_record
+    from tasks.services.up import read_record
 
     ids: list[str] = []
 
@@ -392,7 +392,7 @@ def rows(root: Path, policy: str, quick: bool) -> list[tuple[str, Callable[[], t
 
 
 def stop_services(root: Path) -> None:
-    from tasks.up import down
+    from tasks.services.up import down
 
     for kind in ("colocate", "scheduler"):
         down(str(root / kind))

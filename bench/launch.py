@@ -26,7 +26,7 @@ from dataclasses import replace
 from environments.dispatch import dispatch_missing
 from flows.config import CampaignConfig
 from tasks.campaign import problems_for
-from tasks.stack import local_stack
+from tasks.services.stack import local_stack
 from trajectory_store.storage import StoreConfig
 
 DEFAULT_OUT = "bench/results/launch.json"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import tempfile
 import time
 from typing import Any
@@ -33,106 +32,38 @@ from bench.signal import VALIDATION_SEED  # neither held-out (0), demonstrations
 from flows.campaign import campaign, campaign_store
 from flows.config import CampaignConfig
 from tasks.campaign import committed_evaluations
-from trajectory_store.storage import Store
+from tasks.report import gave_up_by_step, held_out_gain
 
 DEFAULT_OUT = "bench/results/learn.json"
 CONFIGS = {True: "configs/learn-quick.toml", False: "configs/learn.toml"}
 
 
-def paired_bootstrap(differences: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """The 2.5% and 97.5% percentiles of the mean of ``differences`` resampled with replacement."""
-    if not differences:
-        return 0.0, 0.0
-    rng = random.Random(seed)
-    n = len(differences)
-    means = sorted(sum(rng.choice(differences) for _ in range(n)) / n for _ in range(resamples))
-    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
-
-
-def _samples_by_problem(store, version: int) -> dict[str, list[dict[str, Any]]]:
-    """problem id -> the held-out evaluation's executions of ``version`` (only that step's parts read)."""
-    rows = Store(store).read_columns("executions", ["problem_id", "reward", "n_calls"], version).to_pylist()
-    by_problem: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        by_problem.setdefault(row["problem_id"], []).append(row)
-    return by_problem
-
-
-def held_out_results(store, version: int) -> dict[str, tuple[float, float]]:
-    """problem id -> (pass rate, mean reward) over the held-out evaluation's samples of ``version``."""
-    results = {}
-    for problem, rows in _samples_by_problem(store, version).items():
-        rewards = [float(r["reward"] or 0.0) for r in rows]
-        results[problem] = (sum(r == 1.0 for r in rewards) / len(rewards), sum(rewards) / len(rewards))
-    return results
-
-
-def _gave_up(row: dict[str, Any]) -> bool:
-    """Ended after one model call without passing: a ``finish`` before any work (the habit of the
-    give-up warm starts, data/policies/tiny-give-up*)."""
-    return row["n_calls"] == 1 and float(row["reward"] or 0.0) < 1.0
-
-
-def gave_up_by_step(store) -> dict[int, float]:
-    """step -> the share of its executions that gave up at once."""
-    ended: dict[int, list[bool]] = {}
-    for row in Store(store).read_table("executions").to_pylist():
-        ended.setdefault(row["step"], []).append(_gave_up(row))
-    return {step: sum(flags) / len(flags) for step, flags in sorted(ended.items())}
-
-
-def gave_up_by_problem(store, version: int) -> dict[str, float]:
-    """problem id -> the share of the held-out evaluation's samples of ``version`` that gave up at once."""
-    return {
-        problem: sum(map(_gave_up, rows)) / len(rows)
-        for problem, rows in _samples_by_problem(store, version).items()
-    }
-
-
 def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> dict[str, Any]:
     store, eval_store = campaign_store(config)
-    before, after = held_out_results(eval_store, 0), held_out_results(eval_store, config.steps)
-    problems = sorted(set(before) & set(after))
-    if not problems:
-        raise RuntimeError(
-            f"no held-out problem was evaluated both at version 0 and at version {config.steps}"
-        )
-    passed_before = [before[p][0] for p in problems]
-    passed_after = [after[p][0] for p in problems]
-    low, high = paired_bootstrap([a - b for a, b in zip(passed_after, passed_before, strict=True)])
+    gain = held_out_gain(eval_store, 0, config.steps)
     steps = [r.metrics for r in records]
     naive = sum(m.get("tokens_naive", 0.0) for m in steps)
     unique = sum(m.get("tokens_unique", 0.0) for m in steps)
     evaluations = committed_evaluations(store)
     gave_up_train = gave_up_by_step(store)
-    quit_before, quit_after = gave_up_by_problem(eval_store, 0), gave_up_by_problem(eval_store, config.steps)
-    quit_low, quit_high = paired_bootstrap([quit_after[p] - quit_before[p] for p in problems])
-    n = len(problems)
-    return {
+    figures = {
         "policy": config.policy,
         "suites": list(config.problems.suites),
         "minutes": round(minutes, 2),
         "steps": len(records),
         "executions": int(sum(m.get("executions", 0.0) for m in steps)),
-        "held_out_problems": n,
+        "held_out_problems": gain["held_out_problems"],
         "held_out_samples_per_problem": config.evaluation.samples,
         "held_out_temperature": config.evaluation.temperature,
-        "pass_rate_before": round(sum(passed_before) / n, 4),
-        "pass_rate_after": round(sum(passed_after) / n, 4),
-        "mean_reward_before": round(sum(before[p][1] for p in problems) / n, 4),
-        "mean_reward_after": round(sum(after[p][1] for p in problems) / n, 4),
-        "pass_rate_gain": round((sum(passed_after) - sum(passed_before)) / n, 4),
-        "pass_rate_gain_ci95_low": round(low, 4),
-        "pass_rate_gain_ci95_high": round(high, 4),
-        "problems_gained": int(sum(a > b for a, b in zip(passed_after, passed_before, strict=True))),
-        "problems_lost": int(sum(a < b for a, b in zip(passed_after, passed_before, strict=True))),
+    }
+    figures |= {k: v for k, v in gain.items() if k.startswith(("pass_rate", "mean_reward", "problems_"))}
+    figures |= {
         "tokens_trained": int(sum(m.get("tokens_trained", 0.0) for m in steps)),
         "naive_over_unique_tokens": round(naive / unique, 3) if unique else 0.0,
         "executions_zero_signal": int(sum(m.get("executions_zero_signal", 0.0) for m in steps)),
-        # held-out executions that ended after one call without passing (gave up before any work)
-        "gave_up_before": round(sum(quit_before[p] for p in problems) / n, 4),
-        "gave_up_after": round(sum(quit_after[p] for p in problems) / n, 4),
-        "gave_up_change_ci95": [round(quit_low, 4), round(quit_high, 4)],
+    }
+    figures |= {k: v for k, v in gain.items() if k.startswith("gave_up")}
+    return figures | {
         "curve_held_out": {
             str(v): {
                 "pass_rate": round(f.get("pass_rate", 0.0), 4),

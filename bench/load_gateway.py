@@ -55,7 +55,7 @@ import httpx
 from openai import APIError, AsyncOpenAI
 
 from environments.dispatch import GatewayAdmin
-from tasks.stack import local_stack
+from tasks.services.stack import local_stack
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 

@@ -30,19 +30,21 @@ from typing import Any
 
 import numpy as np
 
+from engines.quantiles import quantile
 from engines.train.config import TrainerConfig
 from environments.dispatch import DispatchConfig, DurationProfile, execution_id_for
 from environments.harness import HarnessConfig
 from environments.problems import Problem
 from scheduler.cells import Admin
-from scheduler.controller import Controller, RunReport, StepWork
+from scheduler.controller import Controller, StepWork
 from scheduler.policy import make_policy
+from scheduler.service import cell_pool, run_controller
 from sim.calibrate import Execution, MeasuredRun, calibrate, load_measured, predict, save_measured
 from sim.presets import Preset
 from tasks.campaign import problems_for, run_missing
-from tasks.schedule import CampaignRuntime, cell_pool, run_controller
-from tasks.services import Services, policy_path, serve_version
-from tasks.stack import local_stack
+from tasks.schedule import CampaignRuntime
+from tasks.services.campaign import Services, policy_path, serve_version
+from tasks.services.stack import local_stack
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
@@ -134,9 +136,7 @@ class RealBench:
 
     def reset(self, services: Services) -> None:
         """Every cell serving version 0 (the warm start), as at the start of a campaign."""
-        for cell in self.pool.cells.values():
-            if cell.role == "train":
-                self.pool.to_rollout(cell.spec.cell_id, 0, self.model)
+        self.pool.all_to_rollout(0, self.model)
         serve_version(services, self.stack.engine_urls, 0, self.model)
         self.pool.switches = []
 
@@ -170,19 +170,17 @@ class RealBench:
             make_policy(policy, **params), self.pool, runtime, sessions_per_cell=SESSIONS_PER_CELL
         )
         try:
-            before = cpu_times()
             report = run_controller(controller, runtime, work.steps_work())
-            busy = cpu_busy(before, cpu_times())
         finally:
             runtime.close()
         figures = report.figures()
         figures.update(
-            cpu_busy=busy,
+            cpu_busy=report.cpu_busy,
             policy=label,
             params=params,
             errors=controller.errors,
-            role_share=role_share(report),
-            switch_phases=phases(report),
+            role_share=report.role_share(),
+            switch_phases=report.phases(),
             timeline=[(round(t, 2), cell, role) for t, cell, role in report.timeline],
         )
         figures["measured"] = self.measured(label, campaign, work, figures)
@@ -194,9 +192,7 @@ class RealBench:
         every cell serving it (after the makespan: not timed). A policy's speed counts only at the
         score the others reach on the same work."""
         path = policy_path(services, version, self.model)
-        for cell in self.pool.cells.values():
-            if cell.role == "train":
-                self.pool.to_rollout(cell.spec.cell_id, version, path)
+        self.pool.all_to_rollout(version, path)
         serve_version(services, self.stack.engine_urls, version, path)
         store = StoreConfig(data_root=self.store.data_root, campaign=f"schedule-{label}-eval")
         base = dispatch_config(1, f"{label}-eval")
@@ -277,55 +273,6 @@ class RealBench:
             to_rollout_s=float(np.median(figures["switch_to_rollout_s"] or [0.0])),
             cpu_busy=figures["cpu_busy"],
         )
-
-
-def cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies of every core since boot, from /proc/stat; None where it is absent."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields[:8]) - idle, sum(fields[:8])
-
-
-def cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """Share of the cores' time spent busy between two `cpu_times` readings."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
-
-
-def role_share(report: RunReport) -> dict[str, float]:
-    """Share of cell-seconds spent in each role over the run (from the role timeline)."""
-    end = report.makespan_s
-    spent = {"rollout": 0.0, "train": 0.0}
-    by_cell: dict[str, list[tuple[float, str]]] = {}
-    for t, cell, role in report.timeline:
-        by_cell.setdefault(cell, []).append((t, role))
-    for changes in by_cell.values():
-        changes.sort()
-        for (t, role), (t_next, _) in zip(changes, [*changes[1:], (end, "")], strict=True):
-            spent[role] += max(0.0, min(t_next, end) - t)
-    total = sum(spent.values()) or 1.0
-    return {role: round(s / total, 3) for role, s in spent.items()}
-
-
-def phases(report: RunReport) -> dict[str, dict[str, float]]:
-    """p50 and p95 seconds of every phase of the switches (drain, sleep, join / leave, wake, register)."""
-    seen: dict[str, list[float]] = {}
-    for switch in report.switches:
-        for phase, seconds in switch.phases.items():
-            seen.setdefault(f"{switch.to}.{phase}", []).append(seconds)
-    return {
-        name: {"p50": round(float(np.percentile(v, 50)), 3), "p95": round(float(np.percentile(v, 95)), 3)}
-        for name, v in sorted(seen.items())
-    }
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 3) if values else None
 
 
 CALIBRATION_SEED = 8000  # the calibration run's problems; the compared runs use RealWork.seed
@@ -462,10 +409,11 @@ def compare(
         },
         "cpu_busy_by_policy": {label: row["cpu_busy"] for label, row in rows.items()},
         "switch_s": {
-            "to_train_p50": percentile(to_train, 50),
-            "to_train_p95": percentile(to_train, 95),
-            "to_rollout_p50": percentile(to_rollout, 50),
-            "to_rollout_p95": percentile(to_rollout, 95),
+            **{
+                f"to_{role}_p{q}": None if (value := quantile(seconds, q / 100)) is None else round(value, 3)
+                for role, seconds in (("train", to_train), ("rollout", to_rollout))
+                for q in (50, 95)
+            },
             "count": len(to_train) + len(to_rollout),
         },
         "calibration": {

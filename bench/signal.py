@@ -33,7 +33,7 @@ from typing import Any
 from environments.dispatch import dispatch_missing
 from flows.config import CampaignConfig
 from tasks.campaign import problems_for
-from tasks.stack import local_stack
+from tasks.services.stack import local_stack
 from trajectory_store.storage import StoreConfig
 
 VALIDATION_SEED = 20000

@@ -30,7 +30,6 @@ import sys
 import numpy as np
 import torch
 
-from bench.learn import paired_bootstrap
 from engines.model.loading import load_tokenizer
 from engines.model.weights import load_model
 from engines.train.sft import pack_prefix_tree, render
@@ -40,6 +39,7 @@ from environments.harness import TOOLS
 from environments.problems import Problem, generate
 from flows.config import CampaignConfig
 from tasks.campaign import choose_problems
+from tasks.report import paired_bootstrap
 
 VALIDATION_SEED = 20000
 

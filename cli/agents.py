@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 from cli import settings
 from cli.executions import add_gateway_options, admin_token_for, call_gateway, gateway_of, recorded_line
+from cli.format import Rows, render
 
 SUITES = ["repo", "swe", "terminal", "mixed", "folder"]
 
@@ -141,12 +142,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     result = evaluate_policy(args.model, suites, args.problems, seed=args.seed, difficulty=args.difficulty)
-    for suite in [*suites, "overall"]:
-        summary = result[suite]
-        print(
-            f"{suite:<9} pass rate {summary['pass_rate']:.2f}   mean reward {summary['mean_reward']:.3f}   "
-            f"{summary['executions']} executions, {summary['calls']} calls, {summary['branches']} branches"
-        )
+    columns = ["suite", "pass_rate", "mean_reward", "executions", "calls", "branches"]
+    rows = [[suite, *(result[suite][c] for c in columns[1:])] for suite in [*suites, "overall"]]
+    print(render(columns, rows))
     return 0
 
 
@@ -159,20 +157,26 @@ def add_bench_parser(bench_commands) -> None:
     bench.add_argument("--out", default="bench/results/rollout.json", help="where the figures go (JSON)")
 
 
-ROW = "{:<40} {:<11} {:>6} {:<18} {:>5} {:>8}"
+OUTCOME_COLUMNS = [
+    ("execution", 40),
+    ("status", 11),
+    ("reward", -6),
+    ("reward_source", 18),
+    ("calls", -5),
+    ("branches", -8),
+]  # (name, width; negative: right-aligned)
 
 
-def outcome_row(outcome) -> str:
+def outcome_values(outcome) -> list[str]:
     reward = "-" if outcome.reward is None else f"{outcome.reward:.2f}"
-    row = ROW.format(
+    return [
         outcome.execution_id,
         outcome.status,
         reward,
         outcome.reward_source or "-",
-        outcome.calls,
-        outcome.branches,
-    )
-    return row + (f"  ({outcome.error})" if outcome.error else "")
+        str(outcome.calls),
+        str(outcome.branches),
+    ]
 
 
 def run_rollout_command(args: argparse.Namespace) -> int:
@@ -215,15 +219,14 @@ def run_rollout_command(args: argparse.Namespace) -> int:
         if gateway:
             token = admin_token_for(gateway, token)
         elif args.model:
-            from tasks.stack import local_stack
+            from tasks.services.stack import local_stack
 
             local = stack.enter_context(local_stack(args.model, store, step=args.step))
             gateway, token = local.gateway_url, local.admin_token
         else:
             raise ValueError("give --gateway URL (a running gateway) or --model DIR (start one here)")
-        print(
-            ROW.format("execution", "status", "reward", "reward_source", "calls", "branches"), file=progress
-        )
+        rows = Rows(OUTCOME_COLUMNS, file=progress)
+        rows.header()
         try:
             outcomes = run_rollout(
                 problems,
@@ -231,7 +234,7 @@ def run_rollout_command(args: argparse.Namespace) -> int:
                 token,
                 store,
                 config,
-                lambda o: print(outcome_row(o), file=progress, flush=True),
+                on_outcome=lambda o: rows.add(outcome_values(o), o.error or ""),
             )
         except GatewayAdminError as exc:
             if exc.status != 409:
@@ -253,6 +256,22 @@ def run_rollout_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# the options of `gyre model sft` named as tasks/sft.py sft_model's parameters, passed as they are
+SFT_OPTIONS = [
+    "train_problems",
+    "eval_problems",
+    "steps",
+    "batch_size",
+    "lr",
+    "copy_steps",
+    "difficulty",
+    "seed",
+    "eval_seed",
+    "recovery_share",
+    "give_up_share",
+]
+
+
 def run_sft_command(args: argparse.Namespace) -> int:
     from tasks.sft import sft_model
 
@@ -261,18 +280,8 @@ def run_sft_command(args: argparse.Namespace) -> int:
         args.model,
         args.out,
         suites=suites,
-        train_problems=args.train_problems,
-        eval_problems=args.eval_problems,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        copy_steps=args.copy_steps,
-        difficulty=args.difficulty,
         evaluate=not args.no_eval,
-        seed=args.seed,
-        eval_seed=args.eval_seed,
-        recovery_share=args.recovery_share,
-        give_up_share=args.give_up_share,
+        **{name: getattr(args, name) for name in SFT_OPTIONS},
     )
     training = report["training"]
     if "copy" in training:
@@ -288,12 +297,19 @@ def run_sft_command(args: argparse.Namespace) -> int:
         f"{training['first_loss']:.3f} -> {training['final_loss']:.3f}; saved to {args.out}"
     )
     if "after" in report:
-        for suite in [*suites, "overall"]:
-            before, after = report["before"][suite], report["after"][suite]
-            print(
-                f"{suite:<9} pass rate {before['pass_rate']:.2f} -> {after['pass_rate']:.2f}   "
-                f"mean reward {before['mean_reward']:.3f} -> {after['mean_reward']:.3f}"
-            )
+        columns = ["suite", "pass_rate_before", "pass_rate_after", "mean_reward_before", "mean_reward_after"]
+        rows = [
+            [
+                suite,
+                *(
+                    report[when][suite][figure]
+                    for figure in ("pass_rate", "mean_reward")
+                    for when in ("before", "after")
+                ),
+            ]
+            for suite in [*suites, "overall"]
+        ]
+        print(render(columns, rows))
     if args.report:
         with open(args.report, "w") as handle:
             json.dump(report, handle, indent=1)

@@ -22,6 +22,10 @@ import sys
 import threading
 import time
 
+from rich.console import Console
+from rich.progress import BarColumn, TextColumn
+from rich.progress import Progress as RichProgress
+
 from cli import settings
 from cli.format import render
 
@@ -77,11 +81,7 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     learn.add_argument("--quick", action="store_true", help="configs/learn-quick.toml (what make run shows)")
     learn.add_argument("--config", default=None, help="another campaign config")
     learn.add_argument("--out", default="bench/results/learn.json", help="where the figures go (JSON)")
-    learn.add_argument(
-        "--data-root",
-        default=None,
-        help="keep the campaign's data here (default: a temporary folder, removed)",
-    )
+    learn.add_argument("--data-root", default=None, help="keep the data here (default: a temporary folder)")
     learn.add_argument(
         "--validation",
         action="store_true",
@@ -116,7 +116,7 @@ def _config(args: argparse.Namespace):
 
 
 def _server_url(data_root: str) -> str:
-    from tasks.up import read_record
+    from tasks.services.up import read_record
 
     url = settings.prefect_api_url()
     if url:
@@ -138,7 +138,7 @@ def run_campaign_command(args: argparse.Namespace) -> int:
     if args.command == "status":
         return _status(_config(args).store.data_root)
     if args.command == "down":
-        from tasks.up import down
+        from tasks.services.up import down
 
         data_root = _config(args).store.data_root
         stopped = down(data_root)
@@ -153,9 +153,9 @@ def run_campaign_command(args: argparse.Namespace) -> int:
 
         url = _server_url(args.data_root or settings.default_data_root())
         settings.use_prefect_server(url)  # the worker process inherits it
-        from tasks.zombies import heartbeat_env
+        from tasks.services.zombies import heartbeat_env
 
-        os.environ.update(heartbeat_env())  # and its flow runs beat (tasks/zombies.py)
+        os.environ.update(heartbeat_env())  # and its flow runs beat (tasks/services/zombies.py)
         command = worker_command(args.pool)
         print(f"worker for pool {args.pool} on {url}", file=sys.stderr)
         os.execv(command[0], command)
@@ -181,7 +181,7 @@ def run_campaign_command(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace, quiet: bool):
-    from tasks.up import up
+    from tasks.services.up import up
 
     config = _config(args)
     ports = {
@@ -216,7 +216,7 @@ def _say_revived(names: list[str], error: Exception | None) -> None:
 
 
 def _watch_forever(data_root: str) -> None:
-    from tasks.up import watch
+    from tasks.services.up import watch
 
     print("watching: a service whose process dies is started again (Ctrl-C stops watching)", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
@@ -224,7 +224,7 @@ def _watch_forever(data_root: str) -> None:
 
 
 def _status(data_root: str) -> int:
-    from tasks.up import status
+    from tasks.services.up import status
 
     rows = status(data_root)
     if not rows:
@@ -241,7 +241,7 @@ def _deploy(args: argparse.Namespace) -> int:
     from deployments.deploy import register
 
     url = _server_url(args.data_root or settings.default_data_root())
-    from tasks.zombies import ensure_zombie_automation
+    from tasks.services.zombies import ensure_zombie_automation
 
     with temporary_settings({PREFECT_API_URL: url}):
         ids = register(args.file)
@@ -253,55 +253,64 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 class Progress:
-    """One line on stderr, redrawn every few seconds: committed steps and the current step's executions."""
+    """A rich progress bar on stderr, refreshed every few seconds: committed steps and the current
+    step's executions (or, before a step's first execution, the held-out evaluation of that version)."""
 
     def __init__(self, config) -> None:
         self.config = config
         self.expected = config.problems.per_step * config.dispatch.group_size
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.bar = RichProgress(
+            BarColumn(bar_width=24), TextColumn("{task.description}"), console=Console(stderr=True)
+        )
+        self.task = self.bar.add_task("", total=max(config.steps, 1))
 
     def __enter__(self) -> Progress:
+        self.bar.start()
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join(timeout=5)
-        print(file=sys.stderr)
+        self.bar.stop()
 
-    def line(self) -> str:
+    def state(self) -> tuple[float, str]:
+        """(steps done, a fraction of the current step included; what the bar says)."""
         from tasks.campaign import committed_steps
         from trajectory_store.storage import Store, StoreConfig
 
         store: StoreConfig = self.config.store.model_copy(update={"campaign": self.config.name})
         done = len(committed_steps(store))
-        steps = self.config.steps
         rows = Store(store).read_table("executions").to_pylist()
         current = [r for r in rows if r["step"] == done]
         rewards = [r["reward"] for r in current if r["reward"] is not None]
-        width = 24
-        filled = int(
-            width * (done + min(len(current), self.expected) / max(self.expected, 1)) / max(steps, 1)
-        )
-        bar = "#" * min(filled, width) + "." * (width - min(filled, width))
-        head = f"[{bar}] {done}/{steps} steps committed; "
+        completed = done + min(len(current), self.expected) / max(self.expected, 1)
+        head = f"{done}/{self.config.steps} steps committed; "
         if not current:  # before a step's first execution: the held-out evaluation of that version, if due
             evaluation = self.config.evaluation
             expected = evaluation.per_suite * len(self.config.problems.suites) * evaluation.samples
             held_out = Store(store.model_copy(update={"campaign": f"{self.config.name}-eval"}))
             evaluated = held_out.read_columns("executions", ["execution_id"], done).num_rows
             if 0 < evaluated < expected:
-                return head + f"evaluating version {done}: {evaluated}/{expected} held-out executions"
+                return (
+                    completed,
+                    head + f"evaluating version {done}: {evaluated}/{expected} held-out executions",
+                )
         reward = f", mean reward {sum(rewards) / len(rewards):.2f}" if rewards else ""
-        return head + f"step {done}: {len(current)}/{self.expected} executions{reward}"
+        return completed, head + f"step {done}: {len(current)}/{self.expected} executions{reward}"
+
+    def line(self) -> str:
+        return self.state()[1]
 
     def _run(self) -> None:
         while not self.stop.wait(3):
             try:
-                print("\r" + self.line().ljust(100), end="", file=sys.stderr, flush=True)
+                completed, text = self.state()
             except Exception:  # a half-written part is read next time; the bar is only a view
                 continue
+            self.bar.update(self.task, completed=completed, description=text, refresh=True)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -323,8 +332,8 @@ def _run(args: argparse.Namespace) -> int:
     started = time.time()
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
-    from tasks.up import watch
-    from tasks.zombies import HEARTBEAT_S
+    from tasks.services.up import watch
+    from tasks.services.zombies import HEARTBEAT_S
 
     beating = {PREFECT_API_URL: record.prefect_api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}
     stop = threading.Event()  # while the campaign runs, a service that dies is started again
@@ -333,7 +342,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     supervisor.start()
     try:
-        with temporary_settings(beating), Progress(config):  # a killed campaign is found (tasks/zombies.py)
+        with (
+            temporary_settings(beating),
+            Progress(config),
+        ):  # a killed campaign is found (tasks/services/zombies.py)
             campaign(config)
     finally:
         stop.set()
@@ -357,9 +369,10 @@ def _run(args: argparse.Namespace) -> int:
             f"held-out version {version}: pass rate {figures.get('pass_rate', 0):.3f}, mean reward {figures.get('mean_reward', 0):.3f}"
         )
     if 0 in evaluations and config.steps in evaluations:
-        from bench.learn import figures_of
+        from flows.campaign import campaign_store
+        from tasks.report import held_out_gain
 
-        learned = figures_of(config, steps, 0.0)
+        learned = held_out_gain(campaign_store(config)[1], 0, config.steps)
         print(
             f"held-out gain {learned['pass_rate_gain']} (95% CI [{learned['pass_rate_gain_ci95_low']}, "
             f"{learned['pass_rate_gain_ci95_high']}], paired over {learned['held_out_problems']} problems; "

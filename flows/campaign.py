@@ -12,8 +12,9 @@ idempotent against the store (tasks/campaign.py says how).
 One step, top to bottom (each line a task): serve version n -> choose problems -> roll out (dispatch,
 record, grade, snapshots for timeouts) -> [top up zero-signal groups] -> pack (trees, selection,
 group-relative advantages, staleness) -> free the engines -> train (version n -> n + 1, checkpoint,
-publish) -> commit. The placement (which engines serve, which cells train) comes from
-tasks.services.Placement; this issue's is Colocate.
+publish) -> commit (tasks/campaign.py commit_step: the one recipe of a committed step, which the
+scheduler's steps commit through too). The placement (which engines serve, which cells train) comes from
+tasks/services/placement.py; this issue's is Colocate.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
 from tasks.campaign import (
+    BatchSummary,
     StepProgress,
     StepRecord,
+    StepTimes,
     choose_problems,
     commit_step,
     committed_evaluations,
@@ -41,13 +44,13 @@ from tasks.campaign import (
     roll_out,
     serve,
 )
-from tasks.placement import Colocate, Placement
 from tasks.report import campaign_summary, role_timeline, start_progress, step_table, update_progress
 from tasks.schedule import ScheduleJob, run_scheduler
-from tasks.services import Services, campaign_services
+from tasks.services.campaign import Services, campaign_services
+from tasks.services.placement import Colocate, Placement
 from tasks.tracking import track
-from tasks.train import TrainStepRequest, train_step
-from tasks.up import revivals
+from tasks.train import step_request, train_step
+from tasks.trajectory import StoreConfig
 
 
 def campaign_store(config: CampaignConfig):
@@ -63,57 +66,38 @@ def rl_step(
     started = time.time()
     placement: Placement = Colocate()
     store, _ = campaign_store(config)
-    rollout = placement.rollout(services, config.serving)
-    serve(services, rollout.serving, step, config.policy)
-    roll_out(choose_problems(config.problems, step), services, store, config.dispatch, step, progress)
-    skip = config.problems.zero_signal != "keep"
-    batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, skip)
-    rounds = config.problems.top_up_rounds if config.problems.zero_signal == "top_up" else 0
-    for round in range(1, rounds + 1):
-        if batch.figures.get("executions_zero_signal", 0) == 0:
-            break
-        roll_out(choose_problems(config.problems, step, round), services, store, config.dispatch, step)
-        batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, skip)
+    serve(services, placement.rollout(services, config.serving).serving, step, config.policy)
+    batch = _roll_out_and_pack(config, services, store, step, progress)
     rolled = time.time()
     training = placement.training(services, config.serving)
     free_engines(services, training.sleeping, step)
-    previous = f"{services.policy_root}/checkpoints/step={step - 1}" if step > 0 else None
-    report = train_step(
-        TrainStepRequest(
-            step=step,
-            init_model=config.policy,
-            resume_from=previous,
-            batch_uri=batch.uri,
-            n_executions=batch.n_executions,
-            checkpoint_url=f"{services.policy_root}/checkpoints/step={step}",
-            policy_root=services.policy_root,
-            fast_dir=services.fast_dir,
-            trainer=config.trainer,
-            threads=training.trainer_threads,
-            seed=config.seed,
-        )
+    threads = training.trainer_threads
+    request = step_request(
+        step, services, config.policy, config.trainer, threads=threads, seed=config.seed, batch=batch
     )
-    ended = time.time()
-    revived = [r for r in revivals(config.store.data_root) if started <= r["wall"] <= ended]
-    metrics = {
-        **batch.figures,
-        **report.metrics,
-        "services_revived": float(len(revived)),  # processes of `gyre up` that died and were started again
-        "version": float(report.version),
-        "trained": float(report.trained),
-        "rollout_s": rolled - started,
-        "train_s": ended - rolled,
-        "step_s": ended - started,
-    }
-    record = StepRecord(
-        step=step,
-        version=report.version,
-        checkpoint_url=report.checkpoint_url,
-        policy_uri=report.policy_uri,
-        metrics=metrics,
-        committed_at=ended,
-    )
-    return commit_step(store, step, record)
+    report = train_step(request)
+    times = StepTimes(started=started, rolled_out=rolled, ended=time.time())
+    return commit_step(store, report, batch.figures, times)
+
+
+def _roll_out_and_pack(
+    config: CampaignConfig,
+    services: Services,
+    store: StoreConfig,
+    step: int,
+    progress: StepProgress | None,
+) -> BatchSummary:
+    """The step's executions and its batch; with problems.zero_signal = "top_up", another round of
+    problems while some group carries no signal (at most top_up_rounds)."""
+    skip = config.problems.zero_signal != "keep"
+    rounds = config.problems.top_up_rounds if config.problems.zero_signal == "top_up" else 0
+    for round in range(rounds + 1):
+        problems = choose_problems(config.problems, step, round)
+        roll_out(problems, services, store, config.dispatch, step, progress if round == 0 else None)
+        batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, skip)
+        if batch.figures.get("executions_zero_signal", 0) == 0:
+            break
+    return batch
 
 
 def _evaluate(config: CampaignConfig, services: Services, version: int) -> dict[str, float]:
@@ -176,20 +160,9 @@ def _scheduled(config: CampaignConfig, services: Services, start: int, progress)
     """The steps under the scheduler service (tasks/schedule.py): one long-running task that keeps a
     scheduler process alive; each step it commits shows up here as it lands."""
     store, _ = campaign_store(config)
+    from_config = ScheduleJob.model_fields.keys() - {"start", "store", "services"}  # named as in the config
     job = ScheduleJob(
-        scheduler=config.scheduler,
-        policy=config.policy,
-        steps=config.steps,
-        start=start,
-        seed=config.seed,
-        max_policy_lag=config.max_policy_lag,
-        store=store,
-        problems=config.problems,
-        dispatch=config.dispatch,
-        selection=config.selection,
-        packing=config.packing,
-        trainer=config.trainer,
-        services=services,
+        start=start, store=store, services=services, **{name: getattr(config, name) for name in from_config}
     )
 
     samples: list[dict] = []  # heartbeats where the roles changed: wall time, roles, cells switching

@@ -5,7 +5,7 @@
 Each section goes only to the layer it belongs to: [store] -> storage, [selection] -> the DuckDB
 selection views, [packing] -> the processor, [problems] and [evaluation] -> the campaign's problem
 choice, [dispatch] -> the dispatcher and the harness, [trainer] -> the core cell, [serving] -> the
-processes the campaign starts, [scheduler] -> who decides the cells' roles (tasks/schedule.py),
+processes the campaign starts, [scheduler] -> who decides the cells' roles (scheduler/service.py),
 [tracking] -> where its figures are mirrored (MLflow, TensorBoard: tasks/tracking.py).
 """
 
@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from tasks.campaign import DispatchConfig, EvaluationConfig, ProblemsConfig
 from tasks.schedule import SchedulerConfig
-from tasks.services import ServingConfig
+from tasks.services.campaign import ServingConfig
 from tasks.tracking import TrackingConfig
 from tasks.train import TrainerConfig
 from tasks.trajectory import PackingConfig, SelectionConfig, StoreConfig

@@ -4,11 +4,16 @@ A cell on this machine is a rollout engine process and a trainer replica process
 thread budget; the one that is not in the cell's role sleeps (an engine asleep holds no weights and
 no KV; a replica between steps holds only its model skeleton). Neither process is started or stopped
 by a switch, so a switch costs a drain, a sleep and a weight pull, not a start-up. On a GPU the same
-sequence moves weights between device and host (bench/gpu/role_switch.py measures it there).
+sequence moves weights between device and host (bench/gpu/role_switch.py times this sequence there,
+on cells whose engine and trainer live in its own process).
 
-    pool = CellPool(gateway, [CellSpec("cell-0", url0, "rollout-8001", core=True), ...], model_dir)
+    pool = CellPool.behind_gateway(admin, [CellSpec("cell-0", url0, "rollout-8001", core=True), ...], model_dir)
     pool.to_train("cell-1", (host, port, step))   # drain -> sleep -> join   (Switch, timed per phase)
     pool.to_rollout("cell-1", version, path)      # leave -> wake -> register
+
+A switch drives a cell's two ends: its engine (`EngineEnd`: drain, sleep, wake, register; on this
+machine `GatewayEngine`, the gateway's and the engine's admin endpoints) and its trainer (`TrainerEnd`:
+join, leave; on this machine a `Replica` process). The sequence and its timing are the pool's alone.
 
 rollout -> train: the gateway drains the cell's engine (every live session moves to an engine that
 stays, with its KV cache and any request in flight: engines/gateway/router.py, so no execution is
@@ -26,12 +31,13 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from engines.train.elastic import ElasticConfig, run_satellite
+from engines.train.elastic import run_satellite
 from scheduler.policy import CellState, Role
 
 JOIN_TIMEOUT_S = 120.0  # a replica that has not joined by then has failed (start-up is seconds)
@@ -105,15 +111,12 @@ def replica_main(model_dir: str, threads: int, loss: dict, commands, events, lea
         command = commands.get()
         if command[0] == "stop":
             return
-        _, host, port, step = command
+        _, *address = command  # host, port, step
         try:
             result = run_satellite(
-                host,
-                port,
-                step,
+                *address,
                 worker,
                 read_batch,
-                config=ElasticConfig(),
                 leave=leave.is_set,
                 joined=lambda info: events.put(("joined", info)),
             )
@@ -191,19 +194,89 @@ class Replica:
             self.process.kill()
 
 
+class EngineEnd(Protocol):
+    """A cell's rollout engine, as a switch drives it."""
+
+    def drain(
+        self,
+    ) -> dict[str, Any]: ...  # its live sessions move to engines that stay: moved_with_kv, failed
+
+    def sleep(self) -> None: ...  # weights and KV freed
+
+    def wake(self, version: int, weights_path: str) -> None: ...
+
+    def register(self) -> None: ...  # new sessions are routed to it again
+
+
+class TrainerEnd(Protocol):
+    """A cell's trainer replica, as a switch and the controller drive it (`Replica`)."""
+
+    busy: bool
+
+    def join(self, host: str, port: int, step: int) -> dict[str, Any]: ...  # pull_s; late: the step ended
+
+    def leave_step(self) -> dict[str, Any]: ...  # after its current micro-batch; handoff_s
+
+    def poll(self) -> dict[str, Any] | None: ...  # the result of a step it finished on its own
+
+    def stop(self) -> None: ...
+
+
+class GatewayEngine:
+    """A cell's engine process behind the gateway, through their admin endpoints."""
+
+    def __init__(self, admin: Admin, spec: CellSpec):
+        self.admin, self.spec = admin, spec
+
+    def drain(self) -> dict[str, Any]:
+        return self.admin.gateway("POST", f"/admin/engines/{self.spec.engine_id}/drain")
+
+    def sleep(self) -> None:
+        self.admin.engine(self.spec.engine_url, "POST", "/admin/sleep")
+
+    def wake(self, version: int, weights_path: str) -> None:
+        self.admin.engine(
+            self.spec.engine_url, "POST", "/admin/wake", {"path": weights_path, "version": version}
+        )
+
+    def register(self) -> None:
+        self.admin.gateway("POST", f"/admin/engines/{self.spec.engine_id}/activate")
+
+
 @dataclass
 class Cell:
     spec: CellSpec
+    engine: EngineEnd
+    replica: TrainerEnd | None = None  # None: the core cell (the core trains in every step)
     role: Role = "rollout"
     since: float = 0.0
-    replica: Replica | None = None
 
 
 class CellPool:
-    """The cells of one campaign, their roles, and the switches between them (a log of `Switch`)."""
+    """The cells of one campaign, their roles, and the switches between them (a log of `Switch`).
+    ``sessions()``: engine id -> its live sessions (what a policy sees); ``on_close``: called last by
+    ``close``."""
 
     def __init__(
         self,
+        cells: list[Cell],
+        *,
+        sessions: Callable[[], dict[str, int]] | None = None,
+        on_close: Callable[[], None] | None = None,
+        clock=time.monotonic,
+    ):
+        if sum(c.spec.core for c in cells) > 1:
+            raise ValueError(
+                f"a pool has one core cell at most; got {[c.spec.cell_id for c in cells if c.spec.core]}"
+            )
+        self.clock, self._sessions, self._on_close = clock, sessions, on_close
+        self.started = clock()
+        self.cells = {c.spec.cell_id: c for c in cells}
+        self.switches: list[Switch] = []
+
+    @classmethod
+    def behind_gateway(
+        cls,
         admin: Admin,
         specs: list[CellSpec],
         model_dir: str,
@@ -211,21 +284,26 @@ class CellPool:
         threads: int = 1,
         loss: dict | None = None,
         clock=time.monotonic,
-    ):
+    ) -> CellPool:
+        """A campaign's cells on this machine: each spec's engine behind the gateway and, but for the
+        core's, a replica process of ``model_dir`` (``threads`` torch threads) started and ready."""
         if sum(s.core for s in specs) != 1:
             raise ValueError(
                 f"a pool needs exactly one core cell; got {[s.cell_id for s in specs if s.core]}"
             )
-        self.admin, self.clock = admin, clock
-        self.started = clock()
-        self.cells = {s.cell_id: Cell(s, since=0.0) for s in specs}
-        for cell in self.cells.values():
-            if not cell.spec.core:
-                cell.replica = Replica(model_dir, threads, loss)
-        for cell in self.cells.values():
+        cells = [
+            Cell(s, GatewayEngine(admin, s), None if s.core else Replica(model_dir, threads, loss))
+            for s in specs
+        ]
+        for cell in cells:
             if cell.replica:
                 cell.replica.wait_ready()
-        self.switches: list[Switch] = []
+
+        def sessions() -> dict[str, int]:
+            engines = admin.gateway("GET", "/admin/stats").get("engines", [])
+            return {e["engine_id"]: e.get("sessions", 0) for e in engines}
+
+        return cls(cells, sessions=sessions, on_close=admin.close, clock=clock)
 
     def now(self) -> float:
         return self.clock() - self.started
@@ -235,11 +313,11 @@ class CellPool:
         cell = self.cells[cell_id]
         switch = Switch(cell_id, "train", time.time())
         mark = time.perf_counter()
-        drained = self.admin.gateway("POST", f"/admin/engines/{cell.spec.engine_id}/drain")
+        drained = cell.engine.drain()
         mark = _phase(switch, "drain", mark)
         switch.detail["migrated_sessions"] = drained.get("moved_with_kv", 0)
         switch.detail["drain_failed"] = drained.get("failed", [])
-        self.admin.engine(cell.spec.engine_url, "POST", "/admin/sleep")
+        cell.engine.sleep()
         mark = _phase(switch, "sleep", mark)
         if cell.replica is not None and step_address is not None:
             info = cell.replica.join(*step_address)
@@ -257,13 +335,19 @@ class CellPool:
             left = cell.replica.leave_step()
             mark = _phase(switch, "leave", mark)
             switch.detail["handoff_s"] = left.get("handoff_s")
-        self.admin.engine(
-            cell.spec.engine_url, "POST", "/admin/wake", {"path": weights_path, "version": version}
-        )
+        cell.engine.wake(version, weights_path)
         mark = _phase(switch, "wake", mark)
-        self.admin.gateway("POST", f"/admin/engines/{cell.spec.engine_id}/activate")
+        cell.engine.register()
         _phase(switch, "register", mark)
         return self._done(cell, "rollout", switch)
+
+    def all_to_rollout(self, version: int, weights_path: str) -> list[Switch]:
+        """Every cell in training back to rollout, serving ``version`` (a campaign's start, an evaluation)."""
+        return [
+            self.to_rollout(cell_id, version, weights_path)
+            for cell_id, cell in self.cells.items()
+            if cell.role == "train"
+        ]
 
     def _done(self, cell: Cell, role: Role, switch: Switch) -> Switch:
         cell.role, cell.since = role, self.now()
@@ -271,17 +355,15 @@ class CellPool:
         return switch
 
     def states(self) -> tuple[CellState, ...]:
-        """The cells as a policy sees them (sessions per engine from the gateway)."""
-        engines = {e["engine_id"]: e for e in self.admin.gateway("GET", "/admin/stats").get("engines", [])}
+        """The cells as a policy sees them (sessions per engine from ``sessions``)."""
+        sessions = self._sessions() if self._sessions is not None else {}
         return tuple(
             CellState(
                 cell_id=c.spec.cell_id,
                 role=c.role,
                 core=c.spec.core,
                 since=c.since,
-                active_sessions=engines.get(c.spec.engine_id, {}).get("sessions", 0)
-                if c.role == "rollout"
-                else 0,
+                active_sessions=sessions.get(c.spec.engine_id, 0) if c.role == "rollout" else 0,
             )
             for c in self.cells.values()
         )
@@ -290,7 +372,8 @@ class CellPool:
         for cell in self.cells.values():
             if cell.replica:
                 cell.replica.stop()
-        self.admin.close()
+        if self._on_close is not None:
+            self._on_close()
 
 
 def _phase(switch: Switch, name: str, since: float) -> float:

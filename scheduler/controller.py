@@ -10,7 +10,9 @@ joined take its micro-batches, and the step closes when its last group is in. Th
 new version, the engines that serve swap to it, and the next step opens at once.
 
 Nothing here knows about Prefect, problems or storage: a `Runtime` (tasks/schedule.py) runs one
-execution, packs one group, starts the core's training process and swaps engine weights.
+execution, packs one group, starts the core's training process and swaps engine weights. Each step
+the core trains ends as a `StepDone` (with the core's TrainStepReport) handed to ``on_step``, which
+commits it (scheduler/service.py).
 
     controller = Controller(policy, pool, runtime, sessions_per_cell=2)
     report = asyncio.run(controller.run([StepWork(0, problems, group_size=4), ...], start_version=0))
@@ -24,18 +26,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from scheduler.cells import CellPool, Switch
+from engines.train.run import TrainStepReport
+from scheduler.cells import CellPool
 from scheduler.policy import CellState, Policy, SchedulerState, StepProgress
+from scheduler.report import Outcome, RunReport, StepDone, cpu_busy, cpu_times
 
 TICK_S = 0.25
-
-
-@dataclass(frozen=True)
-class Outcome:
-    execution_id: str
-    group_id: str
-    status: str
-    reward: float
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,7 @@ class Training(Protocol):
 
     def close(self) -> None: ...
 
-    def wait(self) -> dict[str, Any]: ...  # the step's report: version, policy_path, metrics
+    def wait(self) -> TrainStepReport: ...  # what the core did: the version it made, its metrics
 
 
 class Runtime(Protocol):
@@ -104,7 +100,7 @@ class _Step:
     training: Training | None = None
     closed: bool = False
     behaviour_versions: list[int] = field(default_factory=list)  # of unfinished executions
-    started_at: float | None = None
+    started_at: float | None = None  # its first dispatch
     rolled_out_at: float | None = None
 
     @property
@@ -116,30 +112,6 @@ class _Step:
         return sum(len(v) == self.work.group_size for v in self.outcomes.values())
 
 
-@dataclass
-class RunReport:
-    makespan_s: float
-    steps: list[dict[str, Any]]
-    switches: list[Switch]
-    timeline: list[tuple[float, str, str]]  # (seconds, cell id, role): every role change
-    decisions: int
-    outcomes: list[Outcome]
-
-    def figures(self) -> dict[str, Any]:
-        by = {"train": [], "rollout": []}
-        for s in self.switches:
-            by[s.to].append(s.seconds)
-        return {
-            "makespan_s": round(self.makespan_s, 2),
-            "switches": len(self.switches),
-            "switch_to_train_s": sorted(by["train"]),
-            "switch_to_rollout_s": sorted(by["rollout"]),
-            "executions": len(self.outcomes),
-            "mean_reward": sum(o.reward for o in self.outcomes) / max(len(self.outcomes), 1),
-            "steps": self.steps,
-        }
-
-
 class Controller:
     def __init__(
         self,
@@ -149,11 +121,13 @@ class Controller:
         *,
         sessions_per_cell: int,
         tick_s: float = TICK_S,
-        on_step: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+        on_step: Callable[[StepDone, TrainStepReport], None] | None = None,
         on_tick: Callable[[dict[str, Any]], None] | None = None,
     ):
-        """`on_step(step figures, the core's report)` runs once a step's version is published (a
-        campaign commits it there); `on_tick(summary)` every tick (a heartbeat)."""
+        """`on_step(the step, the core's report)` runs once a step's version is published (a campaign
+        commits it there); `on_tick(summary)` every tick (a heartbeat)."""
+        if sum(c.spec.core for c in pool.cells.values()) != 1:
+            raise ValueError("the controller needs a pool with exactly one core cell (it trains every step)")
         self.policy, self.pool, self.runtime = policy, pool, runtime
         self.sessions_per_cell, self.tick_s = sessions_per_cell, tick_s
         self.on_step, self.on_tick = on_step, on_tick
@@ -168,7 +142,9 @@ class Controller:
     async def run(self, work: Sequence[StepWork], start_version: int = 0) -> RunReport:
         """Runs `work` (consecutive steps, the first trains `start_version`) to its last update."""
         self.pool.started = self.pool.clock()
+        cpu = cpu_times()
         started = time.monotonic()
+        self._wall = time.time() - started  # monotonic -> wall clock
         steps = [_Step(w, w.members()) for w in work]
         for step in steps:
             for (problem_id, _), outcome in sorted(step.work.finished.items()):
@@ -176,7 +152,7 @@ class Controller:
                 step.dispatched += 1
                 self._finished(step, problem, outcome)
         self.version = start_version
-        self.reports: list[dict[str, Any]] = []
+        self.reports: list[StepDone] = []
         for cell in self.pool.cells.values():
             self.timeline.append((0.0, cell.spec.cell_id, cell.role))
         trainer = asyncio.create_task(self._train(steps, started))
@@ -205,6 +181,7 @@ class Controller:
             timeline=self.timeline,
             decisions=self.decisions,
             outcomes=self.outcomes,
+            cpu_busy=cpu_busy(cpu, cpu_times()),
         )
 
     async def _train(self, steps: list[_Step], started: float) -> None:
@@ -220,8 +197,8 @@ class Controller:
             step.closed = True
             await asyncio.to_thread(step.training.close)
             report = await asyncio.to_thread(step.training.wait)
-            self.reports.append(self._step_report(step, report, started))
-            self.version = int(report["version"])
+            self.reports.append(self._step_done(step, report, started))
+            self.version = report.version
             if self.on_step is not None:
                 await asyncio.to_thread(self.on_step, self.reports[-1], report)
             await self._serve_new_version()
@@ -359,19 +336,24 @@ class Controller:
             train_backlog_s=0.0,
         )
 
-    def _step_report(self, step: _Step, report: dict[str, Any], started: float) -> dict[str, Any]:
+    def _step_done(self, step: _Step, report: TrainStepReport, started: float) -> StepDone:
         now = time.monotonic()
-        return {
-            "step": step.work.step,
-            "version": report.get("version"),
-            "executions": step.executions,
-            "groups_trained": step.appended,
-            "groups_skipped": step.skipped,
-            "rollout_s": round((step.rolled_out_at or now) - (step.started_at or now), 2),
-            "rolled_out_s": round((step.rolled_out_at or now) - started, 2),
-            "ended_s": round(now - started, 2),
-            "metrics": report.get("metrics", {}),
-        }
+        rolled_out = step.rolled_out_at or now
+        began = min(step.started_at or rolled_out, rolled_out)  # every member ended before: no rollout
+        return StepDone(
+            step=step.work.step,
+            version=report.version,
+            executions=step.executions,
+            groups_trained=step.appended,
+            groups_skipped=step.skipped,
+            rollout_s=round(rolled_out - began, 2),
+            rolled_out_s=round(rolled_out - started, 2),
+            ended_s=round(now - started, 2),
+            started_at=self._wall + began,
+            rolled_out_at=self._wall + rolled_out,
+            ended_at=self._wall + now,
+            metrics=dict(report.metrics),
+        )
 
 
 def _drain_result(replica) -> None:

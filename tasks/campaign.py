@@ -10,6 +10,10 @@ storage, which a lost Prefect database or another machine would not have):
   execution again;
 - a step is committed by ``steps/step=<n>.json``, written after its checkpoint and its published
   policy; its metrics Parquet part is derived from that record, so writing it again is a no-op.
+
+Both ways of running steps (flows/campaign.py's rl_step and the scheduler, tasks/schedule.py) commit
+through ``commit_step``: the trainer's TrainStepReport, the step's own figures and its StepTimes make
+the one StepRecord recipe.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import update_progress_artifact
 from pydantic import BaseModel, Field, model_validator
 
+from engines.train.run import TrainStepReport
 from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch_missing
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
-from tasks.services import (
+from tasks.services.campaign import (
     Services,
     policy_path,
     prune_fast_dir,
@@ -44,6 +49,7 @@ from tasks.services import (
     serve_version,
     sleep_engines,
 )
+from tasks.services.up import revivals
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.parts import naming_bad_parts
@@ -54,7 +60,14 @@ from trajectory_store.storage import Store, StoreConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DispatchConfig", "EvaluationConfig", "HarnessConfig", "ProblemsConfig", "StepRecord"]
+__all__ = [
+    "DispatchConfig",
+    "EvaluationConfig",
+    "HarnessConfig",
+    "ProblemsConfig",
+    "StepRecord",
+    "StepTimes",
+]
 
 
 class ProblemsConfig(BaseModel):
@@ -120,6 +133,16 @@ class StepRecord(BaseModel):
     policy_uri: str
     metrics: dict[str, float]
     committed_at: float
+
+
+class StepTimes(BaseModel):
+    """When a step's phases ended, wall clock (time.time()). On the step flow the phases follow each
+    other; on the scheduler the step trains while it rolls out, so its train_s is what training took
+    after the last execution ended (the part streaming did not hide)."""
+
+    started: float  # the step began (the scheduler: its first execution was dispatched)
+    rolled_out: float  # its last execution ended (and, on the step flow, its batch was packed)
+    ended: float  # its new version was published
 
 
 # -- problems --------------------------------------------------------------------------------
@@ -347,15 +370,17 @@ def step_record_path(store: Store, step: int) -> str:
     return store.path(f"steps/step={step}.json")
 
 
-def committed_steps(store: StoreConfig) -> list[StepRecord]:
-    target = Store(store)
-    base = target.path("steps")
+def _json_files(target: Store, folder: str) -> list[str]:
+    """The .json files under ``folder`` of the campaign, sorted (none: [])."""
+    base = target.path(folder)
     if not target.fs.exists(base):
         return []
-    records = []
-    for path in sorted(target.fs.find(base)):
-        if path.endswith(".json"):
-            records.append(StepRecord.model_validate_json(target.read_bytes(path)))
+    return sorted(path for path in target.fs.find(base) if path.endswith(".json"))
+
+
+def committed_steps(store: StoreConfig) -> list[StepRecord]:
+    target = Store(store)
+    records = [StepRecord.model_validate_json(target.read_bytes(p)) for p in _json_files(target, "steps")]
     return sorted(records, key=lambda r: r.step)
 
 
@@ -365,16 +390,41 @@ def last_committed(store: StoreConfig) -> StepRecord | None:
     return records[-1] if records else None
 
 
-@task(name="commit", task_run_name="commit step {step}", retries=2, retry_delay_seconds=1)
-def commit_step(store: StoreConfig, step: int, record: StepRecord) -> StepRecord:
-    """Marks the step committed (its checkpoint and policy are written), then writes its metrics."""
+@task(name="commit", task_run_name="commit step {report.step}", retries=2, retry_delay_seconds=1)
+def commit_step(
+    store: StoreConfig, report: TrainStepReport, figures: dict[str, float], times: StepTimes
+) -> StepRecord:
+    """Commits the step the trainer's ``report`` made: the step's ``figures`` (its executions, batch,
+    switches), what the trainer did (its metrics: tokens, updates, loss, timings), the version, each
+    phase's seconds and the services of `gyre up` revived meanwhile, as one StepRecord. The record
+    marks the step committed (its checkpoint and policy are written), then its metrics are written;
+    a retried commit keeps the first record."""
+    revived = [r for r in revivals(store.data_root) if times.started <= r["wall"] <= times.ended]
+    metrics = {
+        **figures,
+        **report.metrics,
+        "services_revived": float(len(revived)),  # processes of `gyre up` that died and were started again
+        "version": float(report.version),
+        "trained": float(report.trained),
+        "rollout_s": times.rolled_out - times.started,
+        "train_s": times.ended - times.rolled_out,
+        "step_s": times.ended - times.started,
+    }
+    record = StepRecord(
+        step=report.step,
+        version=report.version,
+        checkpoint_url=report.checkpoint_url,
+        policy_uri=report.policy_uri,
+        metrics=metrics,
+        committed_at=times.ended,
+    )
     target = Store(store)
-    path = step_record_path(target, step)
+    path = step_record_path(target, report.step)
     if target.exists(path):  # a retried commit: the first record stands
         record = StepRecord.model_validate_json(target.read_bytes(path))
     else:
         target.write_bytes(path, record.model_dump_json().encode())
-    write_metrics(store, step, record.metrics, record.committed_at)
+    write_metrics(store, report.step, record.metrics, record.committed_at)
     return record
 
 
@@ -429,13 +479,10 @@ def record_evaluation(store: StoreConfig, version: int, figures: dict[str, float
 def committed_evaluations(store: StoreConfig) -> dict[int, dict[str, float]]:
     """Version -> figures of every recorded held-out evaluation."""
     target = Store(store)
-    base = target.path("evaluations")
-    if not target.fs.exists(base):
-        return {}
     found = {}
-    for path in target.fs.find(base):
+    for path in _json_files(target, "evaluations"):
         name = path.rsplit("/", 1)[-1]
-        if name.startswith("version=") and name.endswith(".json"):
+        if name.startswith("version="):
             found[int(name[len("version=") : -len(".json")])] = json.loads(target.read_bytes(path))["figures"]
     return dict(sorted(found.items()))
 

@@ -1,8 +1,12 @@
 """What a campaign shows in the Prefect UI: a progress artifact, a table per step, and a markdown
-summary with the reward and pass-rate curves as a PNG (a data: URI, so the UI needs no other URL).
+summary with the reward and pass-rate curves as a PNG (a data: URI, so the UI needs no other URL);
+and what its held-out evaluations say, paired by problem (`gyre run`'s summary, `gyre bench learn`).
 
 Artifacts are written from the records the store holds (tasks/campaign.py), so a resumed campaign
 shows its earlier steps too. Keys are the campaign's name in lowercase letters, digits and dashes.
+
+    gain = held_out_gain(eval_store, before=0, after=4)   # pass-rate gain, its paired 95% interval,
+                                                          # problems gained / lost, the give-up rate
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import itertools
+import random
 import re
 from typing import Any
 from uuid import UUID
@@ -23,6 +28,7 @@ from prefect.artifacts import (
 )
 
 from tasks.campaign import StepRecord
+from trajectory_store.storage import Store, StoreConfig
 
 STEP_COLUMNS = (
     ("mean_reward", "reward"),
@@ -206,3 +212,92 @@ def role_timeline(
     return create_markdown_artifact(
         text, key=artifact_key(campaign, "roles"), description=f"campaign {campaign}: cell roles over time"
     )
+
+
+# -- held-out figures, paired by problem -------------------------------------------------------
+
+
+def paired_bootstrap(differences: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """The 2.5% and 97.5% percentiles of the mean of ``differences`` resampled with replacement."""
+    if not differences:
+        return 0.0, 0.0
+    rng = random.Random(seed)
+    n = len(differences)
+    means = sorted(sum(rng.choice(differences) for _ in range(n)) / n for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def _samples_by_problem(store: StoreConfig, version: int) -> dict[str, list[dict[str, Any]]]:
+    """problem id -> the held-out evaluation's executions of ``version`` (only that step's parts read)."""
+    rows = Store(store).read_columns("executions", ["problem_id", "reward", "n_calls"], version).to_pylist()
+    by_problem: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_problem.setdefault(row["problem_id"], []).append(row)
+    return by_problem
+
+
+def held_out_results(store: StoreConfig, version: int) -> dict[str, tuple[float, float]]:
+    """problem id -> (pass rate, mean reward) over the held-out evaluation's samples of ``version``."""
+    results = {}
+    for problem, rows in _samples_by_problem(store, version).items():
+        rewards = [float(r["reward"] or 0.0) for r in rows]
+        results[problem] = (sum(r == 1.0 for r in rewards) / len(rewards), sum(rewards) / len(rewards))
+    return results
+
+
+def _gave_up(row: dict[str, Any]) -> bool:
+    """Ended after one model call without passing: a ``finish`` before any work (the habit of the
+    give-up warm starts, data/policies/tiny-give-up*)."""
+    return row["n_calls"] == 1 and float(row["reward"] or 0.0) < 1.0
+
+
+def gave_up_by_step(store: StoreConfig) -> dict[int, float]:
+    """step -> the share of its executions that gave up at once."""
+    ended: dict[int, list[bool]] = {}
+    for row in Store(store).read_table("executions").to_pylist():
+        ended.setdefault(row["step"], []).append(_gave_up(row))
+    return {step: sum(flags) / len(flags) for step, flags in sorted(ended.items())}
+
+
+def gave_up_by_problem(store: StoreConfig, version: int) -> dict[str, float]:
+    """problem id -> the share of the held-out evaluation's samples of ``version`` that gave up at once."""
+    return {
+        problem: sum(map(_gave_up, rows)) / len(rows)
+        for problem, rows in _samples_by_problem(store, version).items()
+    }
+
+
+def held_out_gain(eval_store: StoreConfig, before: int, after: int) -> dict[str, Any]:
+    """Versions ``before`` and ``after`` on the held-out problems both were evaluated on (the held-out
+    evaluation campaign ``eval_store``), paired by problem: pass rates and mean rewards, the pass-rate
+    gain with its paired 95% bootstrap interval, the problems gained and lost, and the share of
+    executions that gave up at once (one call, not passed) with the interval of its change."""
+    first, last = held_out_results(eval_store, before), held_out_results(eval_store, after)
+    problems = sorted(set(first) & set(last))
+    if not problems:
+        raise RuntimeError(
+            f"no held-out problem was evaluated both at version {before} and at version {after}"
+        )
+    passed_before = [first[p][0] for p in problems]
+    passed_after = [last[p][0] for p in problems]
+    pairs = list(zip(passed_after, passed_before, strict=True))
+    low, high = paired_bootstrap([a - b for a, b in pairs])
+    quit_before, quit_after = gave_up_by_problem(eval_store, before), gave_up_by_problem(eval_store, after)
+    quit_low, quit_high = paired_bootstrap([quit_after[p] - quit_before[p] for p in problems])
+    n = len(problems)
+    return {
+        "held_out_problems": n,
+        "pass_rate_before": round(sum(passed_before) / n, 4),
+        "pass_rate_after": round(sum(passed_after) / n, 4),
+        "mean_reward_before": round(sum(first[p][1] for p in problems) / n, 4),
+        "mean_reward_after": round(sum(last[p][1] for p in problems) / n, 4),
+        "pass_rate_gain": round((sum(passed_after) - sum(passed_before)) / n, 4),
+        "pass_rate_gain_ci95_low": round(low, 4),
+        "pass_rate_gain_ci95_high": round(high, 4),
+        "problems_gained": sum(a > b for a, b in pairs),
+        "problems_lost": sum(a < b for a, b in pairs),
+        # held-out executions that ended after one call without passing (gave up before any work)
+        "gave_up_before": round(sum(quit_before[p] for p in problems) / n, 4),
+        "gave_up_after": round(sum(quit_after[p] for p in problems) / n, 4),
+        "gave_up_change_ci95": [round(quit_low, 4), round(quit_high, 4)],
+    }

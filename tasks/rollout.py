@@ -11,9 +11,10 @@ has already finished, so a retry must dispatch only what did not finish (dispatc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from prefect import task
 
@@ -59,15 +60,21 @@ def choose_problems(
     return generate(suite, n, seed=seed, difficulty=difficulty, length=length)
 
 
-def run_rollout(
-    problems: list[Problem],
-    gateway_url: str,
-    admin_token: str,
-    store: StoreConfig,
-    config: DispatchConfig,
-    on_outcome: Callable[[ExecutionOutcome], None] | None = None,
-) -> list[ExecutionOutcome]:
-    return asyncio.run(dispatch(problems, gateway_url, admin_token, store, config, on_outcome=on_outcome))
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def blocking(coroutine_function: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, T]:
+    """``coroutine_function`` run to its end in an event loop of its own, for a caller with none."""
+
+    @functools.wraps(coroutine_function)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return asyncio.run(coroutine_function(*args, **kwargs))
+
+    return run
+
+
+run_rollout = blocking(dispatch)  # environments.dispatch.dispatch, its signature and all
 
 
 @task(name="rollout-executions", task_run_name="roll out {n_problems} problems at step {step}")

@@ -1,6 +1,5 @@
-"""The scheduler on a campaign's services: its runtime (one execution, one group packed, the core's
-streaming step as a process, engine weights: scheduler/controller.py drives it), the scheduler as a
-process of its own, and the supervisor that keeps that process alive.
+"""The scheduler on a campaign's services: the campaign's pieces the scheduler's loop drives
+(scheduler/service.py), the process that runs that loop, and the Prefect task that supervises it.
 
     runtime = CampaignRuntime(services, store, dispatch_config, selection, packing, trainer, policy)
     controller = Controller(make_policy("elastic"), pool, runtime, sessions_per_cell=2)
@@ -9,11 +8,15 @@ process of its own, and the supervisor that keeps that process alive.
                                             # a heartbeat line every tick, each step committed
     run_scheduler(job)                      # the campaign's long-running task: starts that process,
                                             # restarts it from the store if it dies or goes silent
+
+``CampaignRuntime`` is scheduler.service.Campaign on real services: one execution through the
+dispatcher, one group packed as a chunk, the core's streaming step (tasks/train.py CoreService),
+engine weights, a step's work, and the commit of a step through tasks/campaign.py's commit_step (the
+same recipe as the step flow's).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -25,15 +28,16 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
+from engines.quantiles import quantile
 from engines.train.config import TrainerConfig
-from engines.train.run import TrainStepRequest
-from engines.train.stream import StreamProducer, write_chunk
+from engines.train.run import TrainStepReport
+from engines.train.stream import write_chunk
 from environments.dispatch import (
     DispatchConfig,
     StepLedger,
@@ -44,113 +48,36 @@ from environments.dispatch import (
 )
 from environments.problems import Problem
 from environments.zygote import Zygote
-from scheduler.cells import Admin, CellPool, CellSpec
-from scheduler.controller import Chunk, Controller, Outcome, StepWork
-from scheduler.policy import make_policy
+from scheduler.cells import Admin, Switch
+from scheduler.controller import Chunk, StepWork
+from scheduler.report import Outcome, StepDone
+from scheduler.service import SchedulerConfig, cell_pool, schedule_steps
 from tasks.campaign import (
     ProblemsConfig,
     StepRecord,
+    StepTimes,
     choose_problems,
     commit_step,
+    last_committed,
     write_metric_rows,
     write_metrics,
 )
-from tasks.services import Services, policy_path, serve_version
+from tasks.services.campaign import Services, policy_path, serve_version
+from tasks.train import CoreService, CoreStep, step_request
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.processor import pack
 from trajectory_store.step import left_out, step_figures
 from trajectory_store.storage import Store, StoreConfig
 
-
-class CoreService:
-    """The core as one long-lived process (`python -m engines.train.run --serve`): a step request per
-    stdin line; per step, its streaming address (one JSON line) and then its report (the next)."""
-
-    def __init__(self, threads: int):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "engines.train.run", "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            if line.startswith("{"):  # its JSON lines; libraries print other things
-                self.lines.put(line.strip())
-        self.lines.put(None)  # the process ended
-
-    def next_line(self, timeout_s: float, what: str) -> dict[str, Any]:
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"the core said nothing for {timeout_s:.0f} s, waiting for {what}") from None
-        if line is None:
-            raise RuntimeError(f"the core's process ended (exit {self.process.wait()}) before {what}")
-        return json.loads(line)
-
-    def step(self, request: TrainStepRequest) -> CoreStep:
-        self.process.stdin.write(request.model_dump_json() + "\n")
-        self.process.stdin.flush()
-        return CoreStep(self, request.step)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-
-
-class CoreStep:
-    """One streaming step of the core service (scheduler.controller.Training)."""
-
-    def __init__(self, service: CoreService, step: int):
-        self.service, self.step = service, step
-        self._address: tuple[str, int, int] | None = None
-        self._producer: StreamProducer | None = None
-        self._lock = threading.Lock()
-
-    def _check_alive(self) -> None:
-        """Raises at once when the core's process has ended: its stream would otherwise be waited on
-        (a TCPStore connection retries for its whole timeout) until the heartbeat timeout."""
-        code = self.service.process.poll()
-        if code is not None:
-            raise RuntimeError(f"the core's process ended (exit {code}) during step {self.step}")
-
-    def address(self) -> tuple[str, int, int]:
-        self._check_alive()
-        with self._lock:
-            if self._address is None:
-                spec = self.service.next_line(300, f"step {self.step} to open")["stream"]
-                self._address = (spec["host"], int(spec["port"]), int(spec["step"]))
-            return self._address
-
-    def _stream(self) -> StreamProducer:
-        self._check_alive()
-        if self._producer is None:
-            # the core opened the step (its address line says so): a connection that takes longer is to
-            # a core that died since
-            self._producer = StreamProducer(*self.address(), timeout_s=60.0)
-        return self._producer
-
-    def append(self, chunk: Chunk, key: str) -> None:
-        self._stream().append(chunk.uri, chunk.sequences, chunk.executions, key=key)
-
-    def close(self) -> None:
-        self._stream().close()
-
-    def wait(self) -> dict[str, Any]:
-        return self.service.next_line(600, f"the report of step {self.step}")
+__all__ = ["CampaignRuntime", "ScheduleJob", "SchedulerConfig", "run_scheduler"]
 
 
 class CampaignRuntime:
+    """A campaign's pieces on its services (scheduler.service.Campaign): executions through the
+    dispatcher, groups packed from the store, the core as one process for every step, engine weights,
+    and each step's problems (from ``problems``) and commit."""
+
     def __init__(
         self,
         services: Services,
@@ -164,8 +91,10 @@ class CampaignRuntime:
         max_policy_lag: int = 1,
         trainer_threads: int = 1,
         seed: int = 0,
+        problems: ProblemsConfig | None = None,
     ):
         self.services, self.store, self.config = services, store, dispatch_config
+        self.problems = problems  # None: the caller hands the controller its StepWork itself
         self.selection, self.packing, self.trainer = selection, packing, trainer
         self.init_model, self.max_policy_lag = init_model, max_policy_lag
         self.trainer_threads, self.seed = trainer_threads, seed
@@ -218,20 +147,10 @@ class CampaignRuntime:
     def start_training(self, step: int) -> CoreStep:
         if self.core is None:
             self.core = CoreService(self.trainer_threads)
-        root = self.services.policy_root
-        request = TrainStepRequest(
-            step=step,
-            init_model=self.init_model,
-            resume_from=f"{root}/checkpoints/step={step - 1}" if step > 0 else None,
-            checkpoint_url=f"{root}/checkpoints/step={step}",
-            policy_root=root,
-            fast_dir=self.services.fast_dir,
-            trainer=self.trainer,
-            threads=self.trainer_threads,
-            seed=self.seed,
-            stream=True,
+        request = step_request(
+            step, self.services, self.init_model, self.trainer, threads=self.trainer_threads, seed=self.seed
         )
-        return self.core.step(request)
+        return self.core.step(request)  # no batch: the step streams
 
     async def aclose(self) -> None:
         """Ends what lives in the event loop (the harness zygote); call before the loop ends."""
@@ -249,31 +168,69 @@ class CampaignRuntime:
     def serve(self, engine_urls: list[str], version: int) -> None:
         serve_version(self.services, engine_urls, version, self.weights_path(version))
 
+    def step_work(self, step: int) -> StepWork:
+        """The step's problems, ``group_size`` members each; the members the store holds as ended (any
+        attempt but an abandoned one) are finished, never dispatched again."""
+        if self.problems is None:
+            raise ValueError("this runtime was made without [problems]: give the controller its StepWork")
+        problems = choose_problems.fn(self.problems, step)
+        ledger = step_ledger(self.store, step)
+        finished = {}
+        for p in problems:
+            for m in range(self.config.group_size):
+                if (row := ledger.outcome(Problem.from_json(p), m)) is not None:
+                    reward = float(row.reward or 0.0)
+                    finished[(p["problem_id"], m)] = Outcome(
+                        row.execution_id, row.group_id or "", row.status, reward
+                    )
+        return StepWork(step, problems, self.config.group_size, finished)
+
+    def commit(self, done: StepDone, report: TrainStepReport, switches: list[Switch]) -> int:
+        """The step through the campaign's one commit recipe (tasks/campaign.py commit_step): its
+        executions' figures as a step flow's (by status, abandoned too; reward, pass rate, tokens), the
+        groups trained and skipped, and its switches (counted, p50 per direction, and one metrics row
+        per switch and phase). Returns the version committed."""
+        con = connect(Store(self.store), self.selection)
+        try:
+            figures = step_figures(con, done.step)
+        finally:
+            con.close()
+        figures |= switch_figures(switches)
+        figures |= {
+            "groups_trained": float(done.groups_trained),
+            "groups_skipped": float(done.groups_skipped),
+        }
+        times = StepTimes(started=done.started_at, rolled_out=done.rolled_out_at, ended=done.ended_at)
+        record: StepRecord = commit_step.fn(self.store, report, figures, times)
+        write_switch_metrics(self.store, done.step, switches)
+        return record.version
+
+
+def write_switch_metrics(store: StoreConfig, step: int, switches: list[Switch]) -> None:
+    """Every switch of a step as metrics rows: its total and each phase, with its cell and what it
+    moved (detail: JSON), so `gyre sql` answers "how long did drains take, per cell"."""
+    rows: list[tuple[str, float, str | None, str, float]] = []
+    for switch in switches:
+        detail = json.dumps(switch.detail, sort_keys=True, default=str)
+        rows.append((f"switch_to_{switch.to}_s", switch.seconds, switch.cell_id, detail, switch.started))
+        for phase, seconds in switch.phases.items():
+            rows.append((f"switch_to_{switch.to}_{phase}_s", seconds, switch.cell_id, detail, switch.started))
+    write_metric_rows(store, step, rows, f"switches-{step}")
+
+
+def switch_figures(switches: list[Switch]) -> dict[str, float]:
+    """A step's switches: how many, and the p50 seconds of each direction that happened."""
+    figures = {"switches": float(len(switches))}
+    for role in ("train", "rollout"):
+        p50 = quantile([s.seconds for s in switches if s.to == role], 0.5)
+        if p50 is not None:
+            figures[f"switch_to_{role}_p50_s"] = p50
+    return figures
+
 
 # -- the scheduler as a process, and its supervisor ------------------------------------------------
 
 log = logging.getLogger("gyre.scheduler")
-
-
-class SchedulerConfig(BaseModel):
-    """Who decides the cells' roles during a campaign (the [scheduler] section of a campaign config)."""
-
-    policy: Literal["colocate", "async", "elastic"] | None = Field(
-        None,
-        description="None: the campaign's step flows (one rl_step subflow per step, the pool rolls out "
-        "then trains); a policy: the scheduler service runs the steps on cells (an engine and a trainer "
-        "replica each, cell 0 the core) under scheduler/policy.py's policy of that name",
-    )
-    params: dict[str, float] = Field(
-        default_factory=dict,
-        description="the policy's settings (e.g. depth, max_policy_lag, min_dwell_s for elastic; "
-        "train_cells for async); max_policy_lag defaults to the campaign's",
-    )
-    sessions_per_cell: int = Field(2, ge=1, description="executions one engine hosts at once")
-    heartbeat_timeout_s: float = Field(
-        120.0, gt=0, description="a scheduler silent this long is killed and restarted from the store"
-    )
-    restarts: int = Field(3, ge=0, description="restarts of a scheduler that died before the task fails")
 
 
 class ScheduleJob(BaseModel):
@@ -302,74 +259,22 @@ class ScheduleJob(BaseModel):
         return json.dumps(plain)
 
 
-def run_controller(
-    controller: Controller, runtime: CampaignRuntime, work: list[StepWork], start_version: int = 0
-):
-    """``controller.run`` in an event loop of its own; what the runtime keeps in that loop (the
-    harness zygote) ends with it. Returns the controller's RunReport."""
-
-    async def run():
-        try:
-            return await controller.run(work, start_version=start_version)
-        finally:
-            await runtime.aclose()
-
-    return asyncio.run(run())
-
-
-def write_switch_metrics(store: StoreConfig, step: int, switches: list) -> None:
-    """Every switch of a step as metrics rows: its total and each phase, with its cell and what it
-    moved (detail: JSON), so `gyre sql` answers "how long did drains take, per cell"."""
-    rows: list[tuple[str, float, str | None, str, float]] = []
-    for switch in switches:
-        detail = json.dumps(switch.detail, sort_keys=True, default=str)
-        rows.append((f"switch_to_{switch.to}_s", switch.seconds, switch.cell_id, detail, switch.started))
-        for phase, seconds in switch.phases.items():
-            rows.append((f"switch_to_{switch.to}_{phase}_s", seconds, switch.cell_id, detail, switch.started))
-    write_metric_rows(store, step, rows, f"switches-{step}")
-
-
-def cell_pool(admin: Admin, engine_urls: list[str], model_dir: str) -> CellPool:
-    """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``."""
-    engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
-    specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
-    return CellPool(admin, specs, model_dir, threads=1)
-
-
-def _finished_members(store: StoreConfig, step: int, problems: list[dict[str, Any]], group_size: int):
-    """(problem id, member) -> Outcome of the step's members the store holds as ended (any attempt
-    but an abandoned one)."""
-    ledger = step_ledger(store, step)
-    finished = {}
-    for p in problems:
-        for m in range(group_size):
-            if (row := ledger.outcome(Problem.from_json(p), m)) is not None:
-                reward = float(row.reward or 0.0)
-                finished[(p["problem_id"], m)] = Outcome(
-                    row.execution_id, row.group_id or "", row.status, reward
-                )
-    return finished
-
-
-def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
-    """Runs steps job.start .. job.steps - 1 under the job's policy and commits each; the executions of
-    a step that ended before (a restart) are counted, not dispatched again. Returns the last version."""
+def main() -> int:
+    """The scheduler process: a ScheduleJob on stdin; the campaign's runtime and cells built from it,
+    then the loop (scheduler/service.py), its lines on stdout."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    job = ScheduleJob.model_validate_json(sys.stdin.readline())
     services = job.services
+    if len(services.engine_urls) < 2:
+        raise ValueError(
+            f"the scheduler needs at least 2 cells (serving.engines); got {len(services.engine_urls)}"
+        )
     admin = Admin(
         services.gateway_url,
         services.admin_token.get_secret_value(),
         services.engine_admin_token.get_secret_value(),
     )
-    if len(services.engine_urls) < 2:
-        raise ValueError(
-            f"the scheduler needs at least 2 cells (serving.engines); got {len(services.engine_urls)}"
-        )
     pool = cell_pool(admin, services.engine_urls, job.policy)
-    # A restarted scheduler finds the engines as its predecessor left them: all serve the version
-    # the store says is current, and the gateway routes to all of them again.
-    serve_version(services, services.engine_urls, job.start, policy_path(services, job.start, job.policy))
-    for cell in pool.cells.values():
-        admin.gateway("POST", f"/admin/engines/{cell.spec.engine_id}/activate")
     runtime = CampaignRuntime(
         services,
         job.store,
@@ -380,79 +285,17 @@ def schedule_steps(job: ScheduleJob, heartbeat=print) -> int:
         job.policy,
         max_policy_lag=job.max_policy_lag,
         seed=job.seed,
+        problems=job.problems,
     )
-    work = []
-    for step in range(job.start, job.steps):
-        problems = choose_problems.fn(job.problems, step)
-        finished = _finished_members(job.store, step, problems, job.dispatch.group_size)
-        work.append(StepWork(step, problems, job.dispatch.group_size, finished))
-
-    counted = [0]  # switches already counted in a committed step
-
-    def commit(figures: dict[str, Any], report: dict[str, Any]) -> None:
-        con = connect(Store(job.store), job.selection)
-        try:  # executions by status (abandoned ones too), reward, pass rate, tokens: as a colocate step's
-            metrics = step_figures(con, figures["step"])
-        finally:
-            con.close()
-        metrics |= {k: float(v) for k, v in report.get("metrics", {}).items()}
-        switches, counted[0] = pool.switches[counted[0] :], len(pool.switches)
-        metrics["switches"] = float(len(switches))
-        for role in ("train", "rollout"):
-            seconds = sorted(s.seconds for s in switches if s.to == role)
-            if seconds:
-                metrics[f"switch_to_{role}_p50_s"] = seconds[len(seconds) // 2]
-        metrics |= {
-            "version": float(report["version"]),
-            "trained": float(bool(report.get("trained"))),
-            "groups_trained": float(figures["groups_trained"]),
-            "groups_skipped": float(figures["groups_skipped"]),
-            "rollout_s": float(figures["rollout_s"]),
-        }
-        record = StepRecord(
-            step=figures["step"],
-            version=int(report["version"]),
-            checkpoint_url=report["checkpoint_url"],
-            policy_uri=report["policy_uri"],
-            metrics=metrics,
-            committed_at=time.time(),
-        )
-        commit_step.fn(job.store, figures["step"], record)
-        write_switch_metrics(job.store, figures["step"], switches)
-        heartbeat(json.dumps({"committed": figures["step"], "version": record.version, "wall": time.time()}))
-
-    params = {"max_policy_lag": job.max_policy_lag, **job.scheduler.params}
-    if job.scheduler.policy == "colocate":
-        params = {}
-    controller = Controller(
-        make_policy(job.scheduler.policy, **params),
-        pool,
+    schedule_steps(
         runtime,
-        sessions_per_cell=job.scheduler.sessions_per_cell,
-        on_step=commit,
-        on_tick=lambda summary: heartbeat(json.dumps({"heartbeat": {**summary, "wall": time.time()}})),
+        pool,
+        job.scheduler,
+        start=job.start,
+        steps=job.steps,
+        max_policy_lag=job.max_policy_lag,
+        heartbeat=lambda line: print(line, flush=True),
     )
-
-    try:
-        report = run_controller(controller, runtime, work, job.start)
-    finally:
-        runtime.close()
-        pool.close()
-    switches = [
-        {"cell": s.cell_id, "to": s.to, "s": round(s.seconds, 3), **s.phases} for s in report.switches
-    ]
-    heartbeat(
-        json.dumps(
-            {"done": {"version": controller.version, "switches": switches, "errors": controller.errors}}
-        )
-    )
-    return controller.version
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    job = ScheduleJob.model_validate_json(sys.stdin.readline())
-    schedule_steps(job, heartbeat=lambda line: print(line, flush=True))
     return 0
 
 
@@ -524,8 +367,6 @@ def run_scheduler(job: ScheduleJob, last_step: int, on_line=None) -> dict[str, A
     exits with an error, is killed, or goes silent (no heartbeat for heartbeat_timeout_s) is killed
     with everything it started and started again from the store: after the last committed step, with
     the executions that ended counted, not dispatched again. Restarts are counted in the metrics."""
-    from tasks.campaign import last_committed
-
     restarts: list[dict[str, Any]] = []
     done: dict[str, Any] = {}
 

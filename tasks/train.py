@@ -1,26 +1,78 @@
-"""Prefect tasks over training: one campaign step's update in a trainer process of its own.
+"""Prefect tasks over training: one campaign step's update in a trainer process of its own, and the
+core as one long-lived process for the scheduler's streaming steps.
 
 ``train_step`` starts ``python -m engines.train.run`` with the step's TrainStepRequest on stdin and
 reads its TrainStepReport. A trainer that dies (killed, out of memory) fails the task, which Prefect
 retries: the new process restores the previous step's checkpoint and makes the same update, so a
 retry never trains a sample twice. The process keeps the DeepSpeed engine, its distributed state and
 its memory out of the flow's process.
+
+``CoreService`` runs ``python -m engines.train.run --serve`` once for the scheduler (tasks/schedule.py):
+a step request per stdin line; per step its streaming address, then its TrainStepReport, one JSON line
+each. ``CoreStep`` is one such step as scheduler.controller.Training.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.runtime import task_run
 
 from engines.train.config import LossConfig, TrainerConfig
 from engines.train.run import TrainStepReport, TrainStepRequest
+from engines.train.stream import StreamProducer
+from tasks.campaign import BatchSummary
+from tasks.services.campaign import Services
 
-__all__ = ["LossConfig", "TrainStepReport", "TrainStepRequest", "TrainerConfig", "train_step"]
+if TYPE_CHECKING:
+    from scheduler.controller import Chunk
+
+__all__ = [
+    "LossConfig",
+    "TrainStepReport",
+    "TrainStepRequest",
+    "TrainerConfig",
+    "step_request",
+    "train_step",
+]
+
+
+def step_request(
+    step: int,
+    services: Services,
+    init_model: str,
+    trainer: TrainerConfig,
+    *,
+    threads: int,
+    seed: int,
+    batch: BatchSummary | None = None,
+) -> TrainStepRequest:
+    """Step ``step`` of a campaign on ``services``: it resumes the previous step's checkpoint (the
+    starting policy at step 0), writes its own and publishes under the campaign's folder; it trains
+    ``batch`` (the step flow), or without one the chunks streamed to it (the scheduler)."""
+    root = services.policy_root
+    return TrainStepRequest(
+        step=step,
+        init_model=init_model,
+        resume_from=f"{root}/checkpoints/step={step - 1}" if step > 0 else None,
+        batch_uri=batch.uri if batch else None,
+        n_executions=batch.n_executions if batch else 0,
+        checkpoint_url=f"{root}/checkpoints/step={step}",
+        policy_root=root,
+        fast_dir=services.fast_dir,
+        trainer=trainer,
+        threads=threads,
+        seed=seed,
+        stream=batch is None,
+    )
 
 
 def run_trainer_process(request: TrainStepRequest, env: dict[str, str] | None = None) -> TrainStepReport:
@@ -53,3 +105,90 @@ def train_step(request: TrainStepRequest, env: dict[str, str] | None = None) -> 
     report = run_trainer_process(request, env)
     report.metrics["train_attempts"] = float(task_run.run_count or 1)  # > 1: a trainer died, retried
     return report
+
+
+class CoreService:
+    """The core as one long-lived process (`python -m engines.train.run --serve`): a step request per
+    stdin line; per step, its streaming address (one JSON line) and then its report (the next)."""
+
+    def __init__(self, threads: int):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engines.train.run", "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if line.startswith("{"):  # its JSON lines; libraries print other things
+                self.lines.put(line.strip())
+        self.lines.put(None)  # the process ended
+
+    def next_line(self, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the core said nothing for {timeout_s:.0f} s, waiting for {what}") from None
+        if line is None:
+            raise RuntimeError(f"the core's process ended (exit {self.process.wait()}) before {what}")
+        return json.loads(line)
+
+    def step(self, request: TrainStepRequest) -> CoreStep:
+        self.process.stdin.write(request.model_dump_json() + "\n")
+        self.process.stdin.flush()
+        return CoreStep(self, request.step)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+class CoreStep:
+    """One streaming step of the core service (scheduler.controller.Training)."""
+
+    def __init__(self, service: CoreService, step: int):
+        self.service, self.step = service, step
+        self._address: tuple[str, int, int] | None = None
+        self._producer: StreamProducer | None = None
+        self._lock = threading.Lock()
+
+    def _check_alive(self) -> None:
+        """Raises at once when the core's process has ended: its stream would otherwise be waited on
+        (a TCPStore connection retries for its whole timeout) until the heartbeat timeout."""
+        code = self.service.process.poll()
+        if code is not None:
+            raise RuntimeError(f"the core's process ended (exit {code}) during step {self.step}")
+
+    def address(self) -> tuple[str, int, int]:
+        self._check_alive()
+        with self._lock:
+            if self._address is None:
+                spec = self.service.next_line(300, f"step {self.step} to open")["stream"]
+                self._address = (spec["host"], int(spec["port"]), int(spec["step"]))
+            return self._address
+
+    def _stream(self) -> StreamProducer:
+        self._check_alive()
+        if self._producer is None:
+            # the core opened the step (its address line says so): a connection that takes longer is to
+            # a core that died since
+            self._producer = StreamProducer(*self.address(), timeout_s=60.0)
+        return self._producer
+
+    def append(self, chunk: Chunk, key: str) -> None:
+        self._stream().append(chunk.uri, chunk.sequences, chunk.executions, key=key)
+
+    def close(self) -> None:
+        self._stream().close()
+
+    def wait(self) -> TrainStepReport:
+        return TrainStepReport.model_validate(self.service.next_line(600, f"the report of step {self.step}"))

@@ -90,17 +90,7 @@ class QueryResult(BaseModel):
 
 @task(name="import-trace", task_run_name="import {path}", retries=2, retry_delay_seconds=1)
 def import_trace(path: str, store: StoreConfig, step: int | None = None) -> ImportSummary:
-    report = import_jsonl(Store(store), path, step)
-    return ImportSummary(
-        path=report.path,
-        executions=report.executions,
-        calls=report.calls,
-        naive_tokens=report.naive_tokens,
-        unique_tokens=report.unique_tokens,
-        quarantined=report.quarantined,
-        unchanged=report.unchanged,
-        errors=report.errors,
-    )
+    return ImportSummary.model_validate(import_jsonl(Store(store), path, step), from_attributes=True)
 
 
 @task(name="export-trace", task_run_name="export {store.campaign} to {out_path}", retries=2)

@@ -1,50 +1,9 @@
-"""The learning benchmark's statistics: the paired bootstrap and the per-problem held-out results."""
+"""The learning benchmark's helpers: the signal of mixed groups, problem kinds, the transfer check."""
 
 from __future__ import annotations
 
-import pytest
-
-from bench.learn import gave_up_by_problem, gave_up_by_step, held_out_results, paired_bootstrap
 from bench.signal import _kind, mixed_fraction
 from environments.problems import generate
-from trajectory_store.recorder import Recorder
-from trajectory_store.storage import Store
-
-
-def test_paired_bootstrap_brackets_the_mean_and_is_seeded():
-    assert paired_bootstrap([1.0] * 10) == (1.0, 1.0)
-    assert paired_bootstrap([]) == (0.0, 0.0)
-    differences = [1.0] * 6 + [0.0] * 12 + [-1.0] * 2  # mean 0.2
-    low, high = paired_bootstrap(differences)
-    assert low < 0.2 < high and low > -0.2 and high < 0.6
-    assert paired_bootstrap(differences) == (low, high)  # the same resamples every time
-    symmetric = [1.0, -1.0] * 10
-    low, high = paired_bootstrap(symmetric)
-    assert low < 0 < high
-
-
-def test_held_out_results_average_the_samples_of_each_problem(store_config):
-    recorder = Recorder(Store(store_config), step=2)
-    for i, (problem, reward) in enumerate([("p", 1.0), ("p", 0.5), ("q", 1.0), ("q", 1.0)]):
-        recorder.record_execution(f"e{i}", "completed", reward=reward, problem_id=problem)
-    recorder.flush()
-    results = held_out_results(store_config, 2)
-    assert results["p"] == pytest.approx((0.5, 0.75)) and results["q"] == (1.0, 1.0)
-    assert held_out_results(store_config, 3) == {}
-
-
-def test_gave_up_counts_executions_ending_after_one_call_without_passing(store_config):
-    """One call and no pass: a finish before any work. One call that passed, or several that failed,
-    are not giving up."""
-    for step, rows in [(0, [(1, 0.0), (1, 0.0), (3, 0.0), (1, 1.0)]), (4, [(2, 1.0), (5, 0.0)])]:
-        recorder = Recorder(Store(store_config), step=step)
-        for i, (calls, reward) in enumerate(rows):
-            recorder.record_execution(
-                f"s{step}e{i}", "completed", reward=reward, n_calls=calls, problem_id="p"
-            )
-        recorder.flush()
-    assert gave_up_by_step(store_config) == {0: 0.5, 4: 0.0}
-    assert gave_up_by_problem(store_config, 0) == {"p": 0.5} and gave_up_by_problem(store_config, 1) == {}
 
 
 def test_mixed_fraction_counts_groups_whose_first_k_rewards_differ():

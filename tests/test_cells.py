@@ -21,7 +21,7 @@ from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.stream import StreamProducer, write_chunk
 from scheduler.cells import Admin, CellPool, CellSpec
-from tasks.stack import local_stack
+from tasks.services.stack import local_stack
 from tests.campaign_fixtures import tiny_policy
 from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
 from trajectory_store.storage import StoreConfig
@@ -74,7 +74,7 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
             CellSpec("cell-0", engines[other], other, core=True),
             CellSpec("cell-1", engines[first], first),
         ]
-        pool = CellPool(admin, specs, trainer_model)
+        pool = CellPool.behind_gateway(admin, specs, trainer_model)
         try:
             core = CoreTrainer(_load(trainer_model), config)
             coordinator = ElasticCoordinator(core)

@@ -1,6 +1,8 @@
 """The controller on real processes: a two-step campaign of the shipped policy under the elastic
 policy with one step in flight (so each step's tail frees cells for its training and the next step
-calls them back), on three cells (engines behind the gateway, replica processes, the core as a --serve process).
+calls them back), on three cells (engines behind the gateway, replica processes, the core as a --serve
+process). Built from the product's own pieces only: the local stack, the cell pool, the campaign's
+runtime (tasks/schedule.py CampaignRuntime, its steps' work included) and the controller.
 
 Every execution finishes and is recorded, both steps publish a version, cells move to training and
 back while executions run (no switch fails), the core cell never leaves training once there, and no
@@ -8,51 +10,130 @@ call trained in step s was sampled by a policy older than s - 1 (the staleness b
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 
-from bench.schedule_real import RealBench, RealWork, cpu_busy
+from engines.train.config import TrainerConfig
+from environments.dispatch import DispatchConfig, DurationProfile
+from environments.harness import HarnessConfig
+from scheduler.cells import Admin
+from scheduler.controller import Controller
+from scheduler.policy import make_policy
+from scheduler.report import cpu_busy
+from scheduler.service import cell_pool, run_controller
+from tasks.campaign import ProblemsConfig, problems_for, run_missing
+from tasks.schedule import CampaignRuntime
+from tasks.services.campaign import Services, policy_path, serve_version
+from tasks.services.stack import local_stack
+from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 
 pytestmark = pytest.mark.slow
 
+POLICY = "data/policies/tiny-sft"
+SUITES = ["terminal", "repo", "swe"]
+
+
+def _dispatch(group_size: int, run_id: str) -> DispatchConfig:
+    return DispatchConfig(
+        group_size=group_size,
+        run_id=run_id,
+        concurrency=1,  # the controller starts each execution itself
+        timeout_s=120,
+        durations=DurationProfile(short_turns=3, long_fraction=0.25, long_factor=(3.0, 6.0)),
+        harness=HarnessConfig(max_tokens=96, max_retries=1, max_subagents=0, temperature=1.0),
+    )
+
 
 def test_elastic_runs_two_steps_on_real_cells(tmp_path):
-    work = RealWork(steps=2, problems_per_step=3, group_size=2, seed=7100)
     lag = 0
     params = {"depth": 1, "max_policy_lag": lag, "min_dwell_s": 1.0, "gain_factor": 0.0}
-    with RealBench(str(tmp_path), cells=3) as bench:
-        figures = bench.run("elastic", "elastic", params, work, held_out=3)
+    data_root = str(tmp_path / "data")
+    store = StoreConfig(data_root=data_root, campaign="elastic")
+    fast_dir = str(tmp_path / "fast")
+    os.makedirs(fast_dir)
+    with local_stack(POLICY, StoreConfig(data_root=data_root), engines=3, dtype="float32") as stack:
+        admin = Admin(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
+        pool = cell_pool(admin, stack.engine_urls, POLICY)
+        target = Store(store)
+        services = Services(
+            gateway_url=stack.gateway_url,
+            admin_token=stack.admin_token,
+            engine_urls=stack.engine_urls,
+            engine_admin_token=stack.engine_admin_token,
+            policy_root=target.url(target.campaign_dir),
+            fast_dir=fast_dir,
+        )
+        runtime = CampaignRuntime(
+            services,
+            store,
+            _dispatch(2, "elastic"),
+            SelectionConfig(),
+            PackingConfig(token_budget=8192, advantage="grpo"),
+            TrainerConfig(lr=1e-4),
+            POLICY,
+            max_policy_lag=lag,
+            problems=ProblemsConfig(suites=SUITES, per_step=3, seed=7100),
+        )
+        try:
+            controller = Controller(make_policy("elastic", **params), pool, runtime, sessions_per_cell=2)
+            try:
+                report = run_controller(controller, runtime, [runtime.step_work(0), runtime.step_work(1)])
+            finally:
+                runtime.close()
+            figures = report.figures()
 
-    assert figures["errors"] == []
+            # the last version, evaluated greedily on held-out problems after the makespan, on every cell
+            path = policy_path(services, 2, POLICY)
+            pool.all_to_rollout(2, path)
+            serve_version(services, stack.engine_urls, 2, path)
+            held_out = StoreConfig(data_root=data_root, campaign="elastic-eval")
+            base = _dispatch(1, "elastic-eval")
+            greedy = dataclasses.replace(
+                base,
+                step=2,
+                campaign=held_out.campaign,
+                concurrency=6,
+                harness=dataclasses.replace(base.harness, temperature=0.0),
+            )
+            run_missing([p.to_json() for p in problems_for(SUITES, 3, 0, 1, 1)], services, held_out, greedy)
+        finally:
+            pool.close()
+
+    assert controller.errors == []
     assert figures["executions"] == 12
-    assert 0 < figures["cpu_busy"] <= 1  # the cells kept the cores busy some of the time, never more
+    assert 0 < report.cpu_busy <= 1  # the cells kept the cores busy some of the time, never more
     assert [s["version"] for s in figures["steps"]] == [1, 2]
     assert figures["switch_to_train_s"], "no cell moved to training"
     assert figures["switch_to_rollout_s"], "no cell came back to rollout"
-    assert set(figures["switch_phases"]) >= {"train.drain", "train.sleep", "rollout.wake", "rollout.register"}
+    assert set(report.phases()) >= {"train.drain", "train.sleep", "rollout.wake", "rollout.register"}
+    assert sum(report.role_share().values()) == pytest.approx(1.0, abs=0.01)
 
-    core = [role for _, cell, role in figures["timeline"] if cell == "cell-0"]
+    core = [role for _, cell, role in report.timeline if cell == "cell-0"]
     assert "train" in core and "rollout" not in core[core.index("train") :]
 
-    measured = figures["measured"]
-    assert [len(step) for step in measured.executions] == [6, 6]
-    assert all(e.calls >= 1 and e.wall_s > e.call_s > 0 for step in measured.executions for e in step)
-
-    con = connect(Store(StoreConfig(data_root=bench.store.data_root, campaign="schedule-elastic")))
+    con = connect(Store(store))
     statuses = dict(con.execute("SELECT status, count(*) FROM executions GROUP BY ALL").fetchall())
     oldest = dict(con.execute("SELECT step, min(policy_version) FROM calls GROUP BY step").fetchall())
+    timed = con.execute(
+        """SELECT e.execution_id, count(*), e.ended_at - e.started_at, sum(c.t_end - c.t_start)
+           FROM executions e JOIN calls c USING (execution_id) GROUP BY ALL"""
+    ).fetchall()
     con.close()
     assert sum(statuses.values()) == 12 and set(statuses) <= {"completed", "timeout"}
     assert all(version >= step - lag for step, version in oldest.items()), oldest
+    assert len(timed) == 12 and all(calls >= 1 and wall > call_s > 0 for _, calls, wall, call_s in timed), (
+        timed
+    )
 
-    # the last version, evaluated greedily on held-out problems after the makespan
-    assert figures["held_out_problems"] == 3 and 0 <= figures["held_out_pass_rate"] <= 1
-    con = connect(Store(StoreConfig(data_root=bench.store.data_root, campaign="schedule-elastic-eval")))
+    con = connect(Store(held_out))
     versions = con.execute("SELECT DISTINCT policy_version FROM calls").fetchall()
-    held_out = con.execute("SELECT count(*) FROM executions WHERE step = 2").fetchone()[0]
+    evaluated = con.execute("SELECT count(*) FROM executions WHERE step = 2").fetchone()[0]
     con.close()
-    assert versions == [(2,)] and held_out == 3
+    assert versions == [(2,)] and evaluated == 3
 
 
 def test_cpu_busy_is_the_busy_share_of_the_cores_time():

@@ -10,7 +10,7 @@ import pytest
 
 from bench.faults import POLICY, kill_dispatcher, kill_engine, misbehaving, s3_stall
 from tasks.rollout import choose_problems
-from tasks.stack import local_stack
+from tasks.services.stack import local_stack
 from trajectory_store.storage import StoreConfig
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_a_campaign_lives_through_its_processes_killed(tmp_path):
     engine_url = {}
 
     def engine(run) -> int:
-        from tasks.up import read_record
+        from tasks.services.up import read_record
 
         engine_url["url"] = read_record(data).engine_urls[1]
         return service_pid(data, "engine-1")

@@ -1,5 +1,5 @@
 """Options generated from the config classes (engines/options.py), the settings modules that read the
-environment (one per process), and configs passed between processes as JSON (tasks/stack.py)."""
+environment (one per process), and configs passed between processes as JSON (tasks/services/stack.py)."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def child_command_lines() -> list[str]:
 
 @pytest.mark.slow
 def test_local_stack_hands_each_process_its_config_as_json(tiny_model, tmp_path):
-    from tasks.stack import local_stack
+    from tasks.services.stack import local_stack
     from trajectory_store.storage import StoreConfig
 
     store = StoreConfig(data_root=str(tmp_path / "data"), campaign="json-stack")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tasks.up import ServingConfig, down, read_record, state_dir, status, up
+from tasks.services.up import ServingConfig, down, read_record, state_dir, status, up
 from tests.campaign_fixtures import tiny_campaign, tiny_policy
 
 
@@ -45,7 +45,7 @@ def test_up_serves_a_campaign_and_down_stops_only_what_it_started(prefect_harnes
         stopped = down(data_root)
     assert stopped == ["gateway", "engine-0", "prefect"]
     assert read_record(data_root) is None and status(data_root) == []
-    from tasks.up import _alive
+    from tasks.services.up import _alive
 
     assert not any(_alive(service) for service in record.services)  # each pid gone or another program
 
@@ -67,8 +67,8 @@ def test_a_service_that_dies_is_started_again_where_it_was_and_its_engine_taken_
     from pydantic import SecretStr
 
     from environments.dispatch import GatewayAdmin
-    from tasks.services import Services, readd_dead_engines, serve_version
-    from tasks.up import revivals, revive
+    from tasks.services.campaign import Services, readd_dead_engines, serve_version
+    from tasks.services.up import revivals, revive
 
     policy = tiny_policy(tmp_path / "policy")
     data_root = str(tmp_path / "data")

@@ -23,9 +23,11 @@ run leaves what it measured):
                  reduction) timed apart; fp32 equality of logprobs and gradients on one sequence
     deepspeed    CoreTrainer (ZeRO-2, bf16): one micro-batch by its worker, apply (surrogate backward
                  + optimizer step), weight sync back to the worker; mean step time, peak memory
-    role_switch  rollout->train: engine.sleep(), the trainer's weights to the device, one micro-batch
-                 fwd+bwd; train->rollout: engine.wake() with the trainer's NEW weights, the trainer
-                 offloaded to the host, the first token (goals <= 3 s and <= 1.5 s)
+    role_switch  the product's switch sequence (scheduler/cells.py CellPool.to_train / to_rollout) on one
+                 cell whose engine and trainer share the device: rollout->train: drain, engine.sleep(),
+                 the trainer's weights to the device, one micro-batch fwd+bwd; train->rollout: the
+                 trainer offloaded to the host, engine.wake() with its NEW weights, the first token
+                 (goals <= 3 s and <= 1.5 s)
     migration    two engine processes on the one device: a session's KV moved A->B over /dev/shm
                  (ShmTransport) and over torch IPC (TorchIpcTransport: a CUDA IPC handle on a GPU)
                  vs recomputing the context on B

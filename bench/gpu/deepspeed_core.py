@@ -68,8 +68,7 @@ def _deepspeed_steps(
     folder: str, steps: int, sequence: PackedSequence, n_executions: int, backend, seconds: float
 ) -> dict[str, Any]:
     """CoreTrainer (ZeRO-2, bf16): per step, its worker's micro-batch, apply, and the weight sync back."""
-    import socket
-
+    from engines.ports import free_port
     from engines.train.core import CoreTrainer
 
     deadline = time.monotonic() + seconds
@@ -79,11 +78,8 @@ def _deepspeed_steps(
     if backend is not None:  # a process group made here; CoreTrainer then keeps it
         for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         torch.distributed.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+            backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
     started = time.perf_counter()
     model = load_model(folder, "bfloat16", device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tasks.services import Services, ServingConfig
+from tasks.services.campaign import Services, ServingConfig
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ version is set.
 
 ``Services`` holds addresses and admin tokens (SecretStr: Prefect records flow parameters, and a
 token shown in the UI would be a leak). ``campaign_services`` uses the stack `gyre up` started for the
-same data root and policy when it is healthy (tasks/up.py), and otherwise starts one on loopback for
+same data root and policy when it is healthy (tasks/services/up.py), and otherwise starts one on loopback for
 the duration of the block.
 """
 
@@ -22,8 +22,8 @@ import httpx
 from pydantic import BaseModel, Field, SecretStr
 
 from engines.train.core import default_fast_dir
-from tasks.stack import LocalStack, local_stack
-from tasks.up import ServingConfig, UpRecord, running_stack
+from tasks.services.stack import LocalStack, local_stack
+from tasks.services.up import ServingConfig, UpRecord, running_stack
 from trajectory_store.storage import Store, StoreConfig
 
 

@@ -39,8 +39,8 @@ import httpx
 from pydantic import BaseModel, Field
 
 from engines.gateway.config import EngineSpec, GatewayConfig
+from engines.ports import free_port
 from engines.rollout.config import EngineConfig, EngineServerConfig
-from tasks.stack import free_port
 from trajectory_store.storage import StoreConfig
 
 RECORD = "services.json"
@@ -312,7 +312,7 @@ def revive(data_root: str) -> list[str]:
 def _like_its_siblings(record: UpRecord, url: str) -> None:
     """A restarted engine serves what its live siblings serve (the version of the running step, or
     asleep while the trainer runs), not the policy it starts with; the gateway, which held it dead,
-    takes it back at the next step (tasks/services.readd_dead_engines)."""
+    takes it back at the next step (tasks/services/campaign.readd_dead_engines)."""
     headers = {"Authorization": f"Bearer {record.engine_admin_token}"}
     for sibling in record.engine_urls:
         if sibling == url:
@@ -363,10 +363,10 @@ def watch(data_root: str, stop: threading.Event, interval_s: float = 5.0, on_rev
 
 
 def _install_zombie_detection(api_url: str) -> None:
-    """The automation that sets a silent flow run CRASHED (tasks/zombies.py), on the server used."""
+    """The automation that sets a silent flow run CRASHED (tasks/services/zombies.py), on the server used."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.zombies import install
+    from tasks.services.zombies import install
 
     with temporary_settings({PREFECT_API_URL: api_url}):
         install()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from engines.gateway.config import EngineSpec, GatewayConfig
+from engines.ports import free_port
 from engines.rollout.config import EngineConfig, EngineServerConfig
 from trajectory_store.storage import StoreConfig
 
@@ -126,9 +126,3 @@ def serving_process(
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -1,0 +1,150 @@
+"""The scheduler's service loop: the steps of a campaign run on cells under a policy, each one
+committed as its version is published, a heartbeat line every tick.
+
+    config = SchedulerConfig(policy="elastic", params={"depth": 2})
+    version = schedule_steps(campaign, pool, config, start=0, steps=4, max_policy_lag=1, heartbeat=print)
+
+The loop knows nothing of Prefect, problems or the store: the campaign's pieces come in as a
+`Campaign` (tasks/schedule.py's CampaignRuntime implements it): run one execution, pack one group,
+start a training step, serve a version (scheduler.controller.Runtime), and the two the loop adds:
+a step's work (its problems and the members that ended before a restart) and the commit of a step.
+tasks/schedule.py starts this loop in a process of its own (``python -m tasks.schedule``) and
+supervises it (heartbeats, restarts from the store); what the loop says on ``heartbeat`` is one JSON
+object a line:
+
+    {"heartbeat": {t, version, dispatched, finished, roles, switching, errors, wall}}   every tick
+    {"committed": step, "version": v, "wall": t}                                       every step
+    {"done": {"version": v, "switches": [...], "errors": [...]}}                        at the end
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, Field
+
+from engines.train.run import TrainStepReport
+from scheduler.cells import Admin, CellPool, CellSpec, Switch
+from scheduler.controller import Controller, Runtime, StepWork
+from scheduler.policy import make_policy
+from scheduler.report import RunReport, StepDone
+
+
+class SchedulerConfig(BaseModel):
+    """Who decides the cells' roles during a campaign (the [scheduler] section of a campaign config)."""
+
+    policy: Literal["colocate", "async", "elastic"] | None = Field(
+        None,
+        description="None: the campaign's step flows (one rl_step subflow per step, the pool rolls out "
+        "then trains); a policy: the scheduler service runs the steps on cells (an engine and a trainer "
+        "replica each, cell 0 the core) under scheduler/policy.py's policy of that name",
+    )
+    params: dict[str, float] = Field(
+        default_factory=dict,
+        description="the policy's settings (e.g. depth, max_policy_lag, min_dwell_s for elastic; "
+        "train_cells for async); max_policy_lag defaults to the campaign's",
+    )
+    sessions_per_cell: int = Field(2, ge=1, description="executions one engine hosts at once")
+    heartbeat_timeout_s: float = Field(
+        120.0, gt=0, description="a scheduler silent this long is killed and restarted from the store"
+    )
+    restarts: int = Field(3, ge=0, description="restarts of a scheduler that died before the task fails")
+
+
+class Campaign(Runtime, Protocol):
+    """A campaign's pieces, as the loop uses them (tasks/schedule.py CampaignRuntime): a Runtime (one
+    execution, one group packed, a training step, a version served) and
+
+    - ``step_work(step)``: its problems, and the members that ended before (a restart) as finished;
+    - ``commit(done, report, switches)``: commits the step (what the core did, the step's figures, the
+      switches since the last commit) and returns the version committed;
+    - ``aclose()`` in the loop's event loop (the harness zygote), ``close()`` after it (the core)."""
+
+    def step_work(self, step: int) -> StepWork: ...
+
+    def commit(self, done: StepDone, report: TrainStepReport, switches: list[Switch]) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def cell_pool(admin: Admin, engine_urls: list[str], model_dir: str) -> CellPool:
+    """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``."""
+    engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
+    specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
+    return CellPool.behind_gateway(admin, specs, model_dir, threads=1)
+
+
+def run_controller(
+    controller: Controller, campaign: Campaign, work: list[StepWork], start_version: int = 0
+) -> RunReport:
+    """``controller.run`` in an event loop of its own; what ``campaign`` keeps in that loop (its
+    ``aclose``: the harness zygote) ends with it."""
+
+    async def run() -> RunReport:
+        try:
+            return await controller.run(work, start_version=start_version)
+        finally:
+            await campaign.aclose()
+
+    return asyncio.run(run())
+
+
+def schedule_steps(
+    campaign: Campaign,
+    pool: CellPool,
+    config: SchedulerConfig,
+    *,
+    start: int,
+    steps: int,
+    max_policy_lag: int,
+    heartbeat: Callable[[str], None] = print,
+) -> int:
+    """Runs steps ``start`` .. ``steps - 1`` under ``config``'s policy and commits each; the executions
+    of a step that ended before (a restart) are counted, not dispatched again. Returns the last
+    version. ``campaign`` and ``pool`` are closed when it ends."""
+    # A restarted scheduler finds the engines as its predecessor left them: all serve the version
+    # the store says is current, and the gateway routes to all of them again.
+    campaign.serve([cell.spec.engine_url for cell in pool.cells.values()], start)
+    for cell in pool.cells.values():
+        cell.engine.register()
+    work = [campaign.step_work(step) for step in range(start, steps)]
+
+    counted = 0  # switches already counted in a committed step
+
+    def commit(done: StepDone, report: TrainStepReport) -> None:
+        nonlocal counted
+        switches, counted = pool.switches[counted:], len(pool.switches)
+        version = campaign.commit(done, report, switches)
+        heartbeat(json.dumps({"committed": done.step, "version": version, "wall": time.time()}))
+
+    params = {"max_policy_lag": max_policy_lag, **config.params}
+    if config.policy == "colocate":
+        params = {}
+    controller = Controller(
+        make_policy(config.policy, **params),
+        pool,
+        campaign,
+        sessions_per_cell=config.sessions_per_cell,
+        on_step=commit,
+        on_tick=lambda summary: heartbeat(json.dumps({"heartbeat": {**summary, "wall": time.time()}})),
+    )
+    try:
+        report = run_controller(controller, campaign, work, start)
+    finally:
+        campaign.close()
+        pool.close()
+    switches = [
+        {"cell": s.cell_id, "to": s.to, "s": round(s.seconds, 3), **s.phases} for s in report.switches
+    ]
+    heartbeat(
+        json.dumps(
+            {"done": {"version": controller.version, "switches": switches, "errors": controller.errors}}
+        )
+    )
+    return controller.version
