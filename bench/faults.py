@@ -63,16 +63,12 @@ from typing import Any
 
 import httpx
 
-from environments.dispatch import (
-    DispatchConfig,
-    DurationProfile,
-    ExecutionOutcome,
-    dispatch_missing,
-    execution_id_for,
-    step_ledger,
-)
+from environments.dispatch import dispatch_missing
+from environments.dispatch_config import DispatchConfig, DurationProfile
+from environments.ledger import execution_id_for, step_ledger
 from environments.problems import Problem
-from environments.sandbox import release_mounts
+from environments.runner import ExecutionOutcome
+from environments.sandbox_host import release_mounts
 from tasks.rollout import choose_problems
 from tasks.services import Services  # module level: the flow's annotations resolve against it
 from tasks.stack import LocalStack, free_port, local_stack, serving_process

@@ -281,7 +281,7 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
     executions end close together)."""
     import httpx
 
-    from environments.dispatch import execution_id_for
+    from environments.ledger import execution_id_for
     from environments.problems import Problem
     from flows.config import CampaignConfig
     from tasks.campaign import choose_problems

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from engines.train.config import TrainerConfig
-from environments.dispatch import DispatchConfig, DurationProfile, execution_id_for
+from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
+from environments.ledger import execution_id_for
 from environments.problems import Problem
 from scheduler.cells import Admin
 from scheduler.controller import Controller, RunReport, StepWork

@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+from pydantic import RootModel
 
+from engines.admin import AdminClient, Endpoint
 from engines.train.elastic import ElasticConfig, run_satellite
 from scheduler.policy import CellState, Role
 
@@ -60,29 +61,24 @@ class Switch:
         return sum(self.phases.values())
 
 
-class Admin:
-    """The gateway's and the engines' admin endpoints (bearer tokens; errors name the endpoint)."""
+class Admin(AdminClient):
+    """The gateway's and the engines' admin endpoints: engines/admin.py's typed client (drain, sleep,
+    wake, activate, gateway_stats, ...; bearer tokens; errors name the endpoint). ``gateway`` and
+    ``engine`` answer the untyped calls (method, path, body -> JSON) that callers not yet on the typed
+    methods make."""
 
     def __init__(self, gateway_url: str, gateway_token: str, engine_token: str, timeout_s: float = 120.0):
-        self.gateway_url = gateway_url
-        self._gateway = {"Authorization": f"Bearer {gateway_token}"}
-        self._engine = {"Authorization": f"Bearer {engine_token}"}
-        self.client = httpx.Client(timeout=timeout_s)
-
-    def _call(self, method: str, url: str, headers: dict, body: dict | None = None) -> dict:
-        response = self.client.request(method, url, json=body, headers=headers)
-        if response.status_code != 200:
-            raise RuntimeError(f"{method} {url} answered {response.status_code}: {response.text[:300]}")
-        return response.json()
+        super().__init__(gateway_url, gateway_token, engine_token, timeout_s=timeout_s)
 
     def gateway(self, method: str, path: str, body: dict | None = None) -> dict:
-        return self._call(method, f"{self.gateway_url}{path}", self._gateway, body)
+        return self.call(Endpoint(method, path, dict), self.gateway_url, self.gateway_token, self._json(body))
 
     def engine(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
-        return self._call(method, f"{url}{path}", self._engine, body)
+        return self.call(Endpoint(method, path, dict), url, self.engine_token, self._json(body))
 
-    def close(self) -> None:
-        self.client.close()
+    @staticmethod
+    def _json(body: dict | None) -> RootModel | None:
+        return None if body is None else RootModel[dict](body)
 
 
 def replica_main(model_dir: str, threads: int, loss: dict, commands, events, leave) -> None:

@@ -33,9 +33,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import update_progress_artifact
 from pydantic import BaseModel, Field, model_validator
 
-from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch_missing
+from environments.dispatch import dispatch_missing
+from environments.dispatch_config import DispatchConfig
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
+from environments.runner import ExecutionOutcome
 from tasks.services import (
     Services,
     policy_path,

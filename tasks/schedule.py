@@ -34,15 +34,11 @@ from pydantic import BaseModel, Field
 from engines.train.config import TrainerConfig
 from engines.train.run import TrainStepRequest
 from engines.train.stream import StreamProducer, write_chunk
-from environments.dispatch import (
-    DispatchConfig,
-    StepLedger,
-    builtin_harness_env,
-    dispatch,
-    group_id_for,
-    step_ledger,
-)
+from environments.dispatch import dispatch
+from environments.dispatch_config import DispatchConfig
+from environments.ledger import StepLedger, group_id_for, step_ledger
 from environments.problems import Problem
+from environments.runner import builtin_harness_env
 from environments.zygote import Zygote
 from scheduler.cells import Admin, CellPool, CellSpec
 from scheduler.controller import Chunk, Controller, Outcome, StepWork

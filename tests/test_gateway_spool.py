@@ -14,7 +14,7 @@ import pytest
 
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.model.tokenizer import save_tokenizer
-from environments.dispatch import GatewayAdmin
+from environments.gateway_admin import GatewayAdmin
 from tasks.stack import free_port, serving_process
 from tests.scripted_engine import scripted_engine_app
 from tests.test_gateway_fixtures import ADMIN_TOKEN, ENGINE_TOKEN, serving, tokenizer

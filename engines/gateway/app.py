@@ -53,13 +53,28 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engines.admin import (
+    ACTIVATE_ENGINE,
+    ADD_ENGINE,
+    DRAIN_ENGINE,
+    EXECUTION,
+    FINISH_EXECUTION,
+    GATEWAY_FLUSH,
+    GATEWAY_STATS,
+    REGISTER_EXECUTION,
+    AddEngine,
+    DrainReport,
+    EngineActivated,
+    EngineAdded,
+    FlushReport,
+    GatewayStatsReport,
+)
 from engines.gateway.errors import GatewayError, error_body
 from engines.gateway.protocol import (
-    ID_PATTERN,
-    AddEngine,
     ChatCompletionRequest,
     FinishExecution,
     RegisterExecution,
+    SamplingFields,
     TextCompletionRequest,
     call_role,
     chat_chunks,
@@ -68,6 +83,7 @@ from engines.gateway.protocol import (
 )
 from engines.gateway.registry import Execution
 from engines.gateway.service import Gateway
+from engines.protocol import ID_PATTERN
 from trajectory_store.schema import Role
 
 logger = logging.getLogger(__name__)
@@ -171,29 +187,30 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
         return execution, agent_id, call_role(role, agent_id)
 
     # OpenAI-compatible ------------------------------------------------------------------------------
-    async def chat(
-        request: Request, execution_id: str | None = None, agent_id: str | None = None
-    ) -> Response:
-        body = await read(request, ChatCompletionRequest)
-        execution, agent, role = caller(request, execution_id, agent_id, body)
-        completion, engine_s = await gateway.chat(execution, agent, role, body)
-        request.state.gyre_engine_s = engine_s
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(sse(chat_chunks(completion, include)))
-        return Response(orjson.dumps(completion), media_type="application/json")
+    def openai_route(
+        model: type[SamplingFields],
+        call: Callable[..., Awaitable[tuple[dict[str, Any], float]]],
+        chunks: Callable[[dict[str, Any], bool], list[dict[str, Any]]],
+    ) -> Callable[..., Awaitable[Response]]:
+        """The handler of one OpenAI endpoint: read ``model``, ``call`` the gateway, answer (or stream
+        the answer as ``chunks``)."""
 
-    async def completions(
-        request: Request, execution_id: str | None = None, agent_id: str | None = None
-    ) -> Response:
-        body = await read(request, TextCompletionRequest)
-        execution, agent, role = caller(request, execution_id, agent_id, body)
-        completion, engine_s = await gateway.complete(execution, agent, role, body)
-        request.state.gyre_engine_s = engine_s
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(sse(completion_chunks(completion, include)))
-        return Response(orjson.dumps(completion), media_type="application/json")
+        async def handle(
+            request: Request, execution_id: str | None = None, agent_id: str | None = None
+        ) -> Response:
+            body = await read(request, model)
+            execution, agent, role = caller(request, execution_id, agent_id, body)
+            completion, engine_s = await call(execution, agent, role, body)
+            request.state.gyre_engine_s = engine_s
+            if body.stream:
+                include = bool(body.stream_options and body.stream_options.include_usage)
+                return _stream(sse(chunks(completion, include)))
+            return Response(orjson.dumps(completion), media_type="application/json")
+
+        return handle
+
+    chat = openai_route(ChatCompletionRequest, gateway.chat, chat_chunks)
+    completions = openai_route(TextCompletionRequest, gateway.complete, completion_chunks)
 
     async def models(request: Request, execution_id: str | None = None, agent_id: str | None = None) -> dict:
         token = _bearer(request)
@@ -214,13 +231,13 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
     async def health() -> dict:
         return {}
 
-    # admin ------------------------------------------------------------------------------------------
-    @app.post("/admin/executions")
+    # admin (engines/admin.py has the paths and the engine-management models) -------------------------
+    @app.post(REGISTER_EXECUTION.path)
     async def register(request: Request) -> dict:
         admin(request)
         return await gateway.register_execution(await read(request, RegisterExecution))
 
-    @app.get("/admin/executions/{execution_id}")
+    @app.get(EXECUTION.path)
     async def execution_info(request: Request, execution_id: str) -> dict:
         admin(request)
         execution = gateway.registry.get(execution_id)
@@ -234,34 +251,34 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
             },
         }
 
-    @app.post("/admin/executions/{execution_id}/finish")
+    @app.post(FINISH_EXECUTION.path)
     async def finish(request: Request, execution_id: str) -> dict:
         admin(request)
         return await gateway.finish_execution(execution_id, await read(request, FinishExecution))
 
-    @app.post("/admin/engines")
-    async def add_engine(request: Request) -> dict:
+    @app.post(ADD_ENGINE.path)
+    async def add_engine(request: Request) -> EngineAdded:
         admin(request)
         return await gateway.add_engine(await read(request, AddEngine))
 
-    @app.post("/admin/engines/{engine_id}/drain")
-    async def drain(request: Request, engine_id: str) -> dict:
+    @app.post(DRAIN_ENGINE.path)
+    async def drain(request: Request, engine_id: str) -> DrainReport:
         admin(request)
         return await gateway.router.drain(engine_id)
 
-    @app.post("/admin/engines/{engine_id}/activate")
-    async def activate(request: Request, engine_id: str) -> dict:
+    @app.post(ACTIVATE_ENGINE.path)
+    async def activate(request: Request, engine_id: str) -> EngineActivated:
         admin(request)
         gateway.router.activate(engine_id)
-        return {"engine_id": engine_id, "state": "active"}
+        return EngineActivated(engine_id=engine_id)
 
-    @app.get("/admin/stats")
-    async def stats(request: Request, samples: bool = False) -> dict:
+    @app.get(GATEWAY_STATS.path)
+    async def stats(request: Request, samples: bool = False) -> GatewayStatsReport:
         admin(request)
         return gateway.describe(samples=samples)
 
-    @app.post("/admin/flush")
-    async def flush(request: Request) -> dict:
+    @app.post(GATEWAY_FLUSH.path)
+    async def flush(request: Request) -> FlushReport:
         admin(request)
         return await gateway.flush()
 
