@@ -6,7 +6,7 @@ of the row's kind) on a small campaign, kills one process at a point of a step, 
 dies with it, runs the same `gyre run --name` once more (what a user does, or the UI's Retry). Then:
 
 - every step is committed once, version n+1 after step n;
-- every group member of every step ended once (bench/faults.audit: lost, duplicated, unended);
+- every group member of every step ended once (bench/faults_step.py audit: lost, duplicated, unended);
 - no trajectory is trained twice: the (execution_id, trajectory_id) leaves of every step's packed
   batches are counted, and a key in two batches is a sample trained twice;
 - the row's own check: what should have recovered by itself did (``reruns`` 0), and the revived
@@ -183,7 +183,7 @@ def scheduler_restarts(store: StoreConfig) -> float | None:
 
 def campaign_audit(config_path: Path, name: str) -> tuple[dict[str, int], dict[str, Any]]:
     """Lost, duplicated, unended and abandoned work over every step, and the committed steps."""
-    from bench.faults import audit
+    from bench.faults_step import audit
     from environments.problems import Problem
     from flows.config import CampaignConfig
     from tasks.campaign import choose_problems, committed_steps

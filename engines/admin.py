@@ -120,13 +120,16 @@ class EngineStatsReport(EngineCounters):
     engine_id: str | None = None
     policy_version: int | None = None
     asleep: bool = False
-    weights_path: str | None = Field(
-        None, description="the weights it serves as given (None: those it started with)"
-    )
+    weights_path: str | None = None
+    """The weights it serves as given (None: those it started with): what a restarted sibling loads."""
     sessions: int = 0
+    """Sessions it holds (with KV, or with their token history only after an eviction)."""
     waiting: int = 0
+    """Requests queued for a batch row."""
     running: int = 0
+    """Requests decoding now."""
     kv_tokens: int = 0
+    """Cached tokens across all sessions, against ``kv_budget_tokens``."""
     kv_budget_tokens: int | None = None
 
 
@@ -157,10 +160,15 @@ class DrainReport(WireModel):
     engine_id: str
     state: str
     sessions: int = 0
+    """Sessions the engine held when the drain began."""
     moved_with_kv: int = 0
+    """Of them, moved with their KV (those with a request in flight included)."""
     moved_mid_request: int = 0
+    """Of those, moved with a request in flight, which the target finished."""
     rebound_without_kv: int = 0
+    """Moved without KV (the engine held none for them): their next call recomputes it."""
     failed: list[str] = Field(default_factory=list)
+    """One line per session that could not move (its next call recomputes its context elsewhere)."""
     seconds: float = 0.0
 
 
@@ -170,7 +178,9 @@ class FlushReport(WireModel):
     calls: int = 0
     executions: int = 0
     quarantined: int = 0
+    """Records the store refused, kept aside with their reason."""
     manifests: list[str] = Field(default_factory=list)
+    """The manifests committed: each makes a step's new parts visible."""
 
 
 class GatewayCounters(WireModel):
@@ -207,7 +217,9 @@ class EngineView(WireModel):
     url: str
     state: str = Field(description="'active', 'draining' or 'dead'")
     sessions: int = 0
+    """Sessions bound to it."""
     in_flight: int = 0
+    """Requests the gateway has sent it and not yet got back."""
     calls: int = 0
     policy_version: int | None = None
 
@@ -230,9 +242,12 @@ class GatewayStatsReport(GatewayCounters, RouterCounters):
     """GET /admin/stats of the gateway: its counters and its router's, its engines, where it records."""
 
     record_errors: int = 0
+    """Calls the recorders could not record (quarantined with their reason)."""
     executions: int = 0
+    """Live executions."""
     finished_executions: int = 0
     store: StoreAddress | None = None
+    """Where the gateway records (an execution may name another campaign of the same data root)."""
     step: int = 0
     gateway_overhead_ms: OverheadSummary = Field(default_factory=OverheadSummary)
     engines: list[EngineView] = Field(default_factory=list)

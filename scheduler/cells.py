@@ -32,7 +32,8 @@ from typing import Any
 from pydantic import RootModel
 
 from engines.admin import AdminClient, Endpoint
-from engines.train.elastic import ElasticConfig, run_satellite
+from engines.train.elastic_protocol import ElasticConfig
+from engines.train.satellite import run_satellite
 from scheduler.policy import CellState, Role
 
 JOIN_TIMEOUT_S = 120.0  # a replica that has not joined by then has failed (start-up is seconds)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import pytest
+
+from engines.net import free_port
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -21,12 +22,6 @@ def prefect_harness():
         yield
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3 API server on 127.0.0.1 (not a mocked client): s3fs and boto3 talk HTTP to it."""
@@ -35,7 +30,7 @@ def s3_server():
     # the server's per-request log lines would land in whatever stream a test captures
     for name in ("werkzeug", "moto"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from deployments.deploy import DEFAULT_FILE, ROOT, check, read_specs, worker_command
+from engines.net import free_port
 
 
 def test_the_shipped_deployments_load_validate_and_have_schedules():
@@ -44,17 +44,11 @@ def test_bad_deployment_files_are_refused_with_the_reason(tmp_path):
         check(spec)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def local_server(tmp_path_factory):
     """A real `prefect server start` (SQLite in a temporary PREFECT_HOME) on loopback."""
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     prefect = str(Path(sys.executable).parent / "prefect")
     log = open(home / "server.log", "wb")  # noqa: SIM115  (open for the server's whole life)

@@ -23,7 +23,6 @@ import contextlib
 import functools
 import itertools
 import random
-import socket
 import threading
 import time
 
@@ -31,6 +30,7 @@ import torch
 import uvicorn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from engines.net import free_port
 from tests.test_rollout_fixtures import one_cpu_thread  # noqa: F401  (re-exported for the gateway tests)
 
 TOOL_CALL_TEXT = '<tool_call>{"arguments":\n{},\n"name": "search"}</tool_call>'
@@ -149,12 +149,6 @@ def serving(app, *, port: int | None = None):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kill(server: uvicorn.Server) -> None:

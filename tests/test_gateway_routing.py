@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from engines.model.tokenizer import save_tokenizer
+from engines.net import free_port
 from tests.test_gateway_fixtures import (
     ENGINE_TOKEN,
     TEXT_SCRIPT_TOKENS,
-    free_port,
     gateway_stack,
     kill,
     one_cpu_thread,

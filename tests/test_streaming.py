@@ -26,8 +26,9 @@ import torch.distributed as dist
 from engines.model.weights import load_model
 from engines.train.config import LossConfig, TrainerConfig
 from engines.train.core import CoreTrainer
-from engines.train.elastic import ElasticConfig, ElasticCoordinator, run_satellite
-from engines.train.satellite import satellite_main
+from engines.train.elastic import ElasticCoordinator
+from engines.train.elastic_protocol import ElasticConfig
+from engines.train.satellite import run_satellite, satellite_main
 from engines.train.stream import (
     StepClosed,
     StreamProducer,
@@ -421,9 +422,9 @@ def test_concurrent_claims_take_each_arrived_micro_batch_once():
 
 
 def test_an_idle_participant_looks_less_often_until_work_arrives():
-    from engines.train.elastic import _Idle
+    from engines.train.elastic_protocol import Idle
 
-    idle = _Idle(ElasticConfig(poll_s=0.001, idle_max_s=0.004))
+    idle = Idle(ElasticConfig(poll_s=0.001, idle_max_s=0.004))
     waits = []
     for _ in range(4):
         waits.append(idle.next)
@@ -431,4 +432,4 @@ def test_an_idle_participant_looks_less_often_until_work_arrives():
     assert waits == [0.001, 0.002, 0.004, 0.004]  # doubling, capped
     idle.busy()
     assert idle.next == 0.001  # work arrived: look again soon
-    assert _Idle(ElasticConfig(poll_s=0.02, idle_max_s=0.01)).most == 0.02  # never below the first wait
+    assert Idle(ElasticConfig(poll_s=0.02, idle_max_s=0.01)).most == 0.02  # never below the first wait

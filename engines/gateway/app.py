@@ -47,7 +47,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -163,7 +163,7 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
             param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
             raise GatewayError(400, _describe(errors), param=param) from exc
 
-    def admin(request: Request) -> None:
+    async def admin(request: Request) -> None:
         token = gateway.config.admin_token
         if token is None:
             raise GatewayError(403, "the admin API is off: start the gateway with an admin token")
@@ -231,15 +231,16 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
     async def health() -> dict:
         return {}
 
-    # admin (engines/admin.py has the paths and the engine-management models) -------------------------
-    @app.post(REGISTER_EXECUTION.path)
+    # admin: the execution API (environments/gateway_admin.py is its client) and engine management
+    # (engines/admin.py: the paths and the models); every route checks the admin token first
+    api = APIRouter(dependencies=[Depends(admin)])
+
+    @api.post(REGISTER_EXECUTION.path)
     async def register(request: Request) -> dict:
-        admin(request)
         return await gateway.register_execution(await read(request, RegisterExecution))
 
-    @app.get(EXECUTION.path)
-    async def execution_info(request: Request, execution_id: str) -> dict:
-        admin(request)
+    @api.get(EXECUTION.path)
+    async def execution_info(execution_id: str) -> dict:
         execution = gateway.registry.get(execution_id)
         return {
             "execution_id": execution.execution_id,
@@ -251,37 +252,32 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
             },
         }
 
-    @app.post(FINISH_EXECUTION.path)
+    @api.post(FINISH_EXECUTION.path)
     async def finish(request: Request, execution_id: str) -> dict:
-        admin(request)
         return await gateway.finish_execution(execution_id, await read(request, FinishExecution))
 
-    @app.post(ADD_ENGINE.path)
+    @api.post(ADD_ENGINE.path)
     async def add_engine(request: Request) -> EngineAdded:
-        admin(request)
         return await gateway.add_engine(await read(request, AddEngine))
 
-    @app.post(DRAIN_ENGINE.path)
-    async def drain(request: Request, engine_id: str) -> DrainReport:
-        admin(request)
+    @api.post(DRAIN_ENGINE.path)
+    async def drain(engine_id: str) -> DrainReport:
         return await gateway.router.drain(engine_id)
 
-    @app.post(ACTIVATE_ENGINE.path)
-    async def activate(request: Request, engine_id: str) -> EngineActivated:
-        admin(request)
+    @api.post(ACTIVATE_ENGINE.path)
+    async def activate(engine_id: str) -> EngineActivated:
         gateway.router.activate(engine_id)
         return EngineActivated(engine_id=engine_id)
 
-    @app.get(GATEWAY_STATS.path)
-    async def stats(request: Request, samples: bool = False) -> GatewayStatsReport:
-        admin(request)
+    @api.get(GATEWAY_STATS.path)
+    async def stats(samples: bool = False) -> GatewayStatsReport:
         return gateway.describe(samples=samples)
 
-    @app.post(GATEWAY_FLUSH.path)
-    async def flush(request: Request) -> FlushReport:
-        admin(request)
+    @api.post(GATEWAY_FLUSH.path)
+    async def flush() -> FlushReport:
         return await gateway.flush()
 
+    app.include_router(api)
     return OverheadTimer(app, gateway)  # type: ignore[return-value]
 
 
