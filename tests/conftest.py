@@ -1,5 +1,6 @@
 """Shared fixtures: a real Prefect test harness (one per session: each costs seconds), a real S3 API
-server on loopback (moto's ThreadedMotoServer), and temporary stores."""
+server on loopback (moto's ThreadedMotoServer), temporary stores, the CLI's environment kept inside a
+test (cli_env), and torch on one thread for a module (one_thread)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,22 @@ def store_config(tmp_path):
     from trajectory_store.storage import StoreConfig
 
     return StoreConfig(data_root=str(tmp_path / "data"), campaign="test")
+
+
+@pytest.fixture
+def cli_env(monkeypatch, tmp_path):
+    """The CLI reads defaults from the environment and sets PREFECT_HOME: keep both inside the test."""
+    monkeypatch.delenv("GYRE_DATA_ROOT", raising=False)
+    monkeypatch.delenv("GYRE_CAMPAIGN", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one CPU thread for a module's tests: a 32-wide model is fastest single-threaded (on a
+    busy 2-core host, two threads spin), and with one thread here and in every satellite a
+    micro-batch's gradient is bitwise the same wherever it is computed."""
+    from tests.test_rollout_fixtures import one_cpu_thread
+
+    with one_cpu_thread():
+        yield

@@ -22,16 +22,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """The core computes on this process's threads, satellites on one each: the same thread count
-    everywhere makes every micro-batch's gradient bitwise the same wherever it is computed."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="module")
 def setup(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("elastic")
     model_dir, batch, batch_uri = policy_and_batch(root, 5, 11, n_executions=10, budget=16)

@@ -28,10 +28,13 @@ import time
 
 import torch
 import uvicorn
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from engines.net import free_port
-from tests.test_rollout_fixtures import one_cpu_thread  # noqa: F401  (re-exported for the gateway tests)
+from tests.test_rollout_fixtures import (
+    one_cpu_thread,  # noqa: F401  (re-exported for the gateway tests)
+    tiny_qwen2,
+)
 
 TOOL_CALL_TEXT = '<tool_call>{"arguments":\n{},\n"name": "search"}</tool_call>'
 TEXT_SCRIPT_TOKENS = 80
@@ -75,20 +78,18 @@ def scripted_model(tok, hidden: int = 128, max_positions: int = 8192) -> Qwen2Fo
     assert len(newline) == 1
     newline = newline[0]
     marker = vocab["<tool_call>"]
-    config = Qwen2Config(
-        vocab_size=n,
+    model = tiny_qwen2(
+        n,
+        max_positions,
         hidden_size=hidden,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         intermediate_size=32,
-        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-        attn_implementation="sdpa",
-    )
-    model = Qwen2ForCausalLM(config).float().eval()
+    ).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

@@ -20,22 +20,17 @@ from tests.test_gateway_fixtures import (
     TEXT_SCRIPT_TOKENS,
     gateway_stack,
     kill,
-    one_cpu_thread,
     scripted_model,
     scripts,
     tokenizer,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def model():
     return scripted_model(tokenizer())
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_cpu_thread():
-        yield
 
 
 def chat(client, messages, **kwargs):

@@ -11,16 +11,12 @@ import torch
 from engines.net import free_port
 from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams, ShmTransport
 from engines.rollout.migration import GlooTransport, TorchIpcHandle, TorchIpcTransport, pack, unpack
-from tests.test_rollout_fixtures import VOCAB, one_cpu_thread, tiny_policy
+from tests.test_rollout_fixtures import VOCAB, tiny_policy
 
 K = 7  # tokens produced on engine A before the move
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=25)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_cpu_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def request(rid: str = "m") -> GenerateRequest:

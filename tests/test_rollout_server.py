@@ -12,16 +12,12 @@ from safetensors.torch import save_file
 from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams, ShmTransport
 from engines.rollout.server import create_app
 from tests.test_gateway_fixtures import serving as serve_app
-from tests.test_rollout_fixtures import one_cpu_thread, perturbed_state, tiny_policy
+from tests.test_rollout_fixtures import perturbed_state, tiny_policy
 
 TOKEN = "s3cret-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_cpu_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @contextlib.contextmanager

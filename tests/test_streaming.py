@@ -52,16 +52,6 @@ BEFORE_LULL = 4  # chunks that arrive before the lull
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread here and in every satellite: a micro-batch's gradient is then bitwise the
-    same wherever it is computed (as in tests/test_elastic.py)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="module")
 def setup(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("streaming")
     model_dir = str(root / "policy")

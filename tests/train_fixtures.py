@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from tests.test_rollout_fixtures import tiny_qwen2
 from tests.trees import random_execution
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
@@ -20,20 +21,9 @@ VOCAB = 64
 def tiny_model(
     seed: int = 0, attn: str = "sdpa", *, vocab: int = VOCAB, max_positions: int = 512
 ) -> Qwen2ForCausalLM:
-    """A 2-layer, 32-wide Qwen2 with tied embeddings, seeded: the training tests' policy."""
+    """tests/test_rollout_fixtures.tiny_qwen2, seeded: the training tests' policy."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        attn_implementation=attn,
-    )
-    return Qwen2ForCausalLM(config).float()
+    return tiny_qwen2(vocab, max_positions, attn)
 
 
 def packed_batch(
