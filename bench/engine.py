@@ -34,7 +34,6 @@ and far noisier); the figures compare systems on the same model, not the model. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -49,6 +48,7 @@ import pyarrow.compute as pc
 import torch
 
 from bench.engine_workload import bench_engine, bench_migration
+from bench.figures import write_figures
 from engines.admin import AdminClient
 from engines.net import free_port
 from engines.quantiles import quantile
@@ -295,10 +295,7 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
         f"wall time                               {figures['wall_s']:.1f} s",
     ]
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as handle:
-        json.dump(figures, handle, indent=1)
-    print(f"wrote {out}")
+    write_figures(figures, out)
     return 0
 
 

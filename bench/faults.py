@@ -52,7 +52,6 @@ the file.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -62,6 +61,7 @@ from bench import faults_campaign
 from bench.faults_processes import process_rows
 from bench.faults_scale import big_step, s3_stall, satellite_kill
 from bench.faults_step import POLICY, tally
+from bench.figures import write_figures
 from tasks.rollout import choose_problems
 
 DEFAULT_OUT = "bench/results/faults.json"
@@ -192,10 +192,7 @@ def main(quick: bool = False, out: str = DEFAULT_OUT, only: tuple[str, ...] = ()
     if only:
         figures = merged(figures, out, only)
     print_table(figures)
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(figures, f, indent=2)
-    print(f"wrote {out}")
+    write_figures(figures, out, indent=2)
     return 0 if figures["all_survived"] else 1
 
 

@@ -11,7 +11,6 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from environments.problems.checks import compile_check
 from environments.problems.problem import Problem
 
 SuiteGenerator = Callable[..., list[Problem]]
@@ -47,34 +46,6 @@ def problem_id(suite: str, seed: int, difficulty: int, length: int, index: int) 
     """Stable id, distinct for every (suite, seed, difficulty, length, index); it also seeds the
     problem's ``random.Random``."""
     return f"{suite}-s{seed}-d{difficulty}l{length}-{index:03d}"
-
-
-def suite_problem(
-    suite: str,
-    knobs: tuple[int, int, int, int],
-    instruction: str,
-    files: dict[str, str],
-    checks: list[tuple[str, str]],
-    solution: list[dict[str, Any]],
-    visible_path: str | None,
-    meta: dict[str, Any],
-) -> Problem:
-    """A generated problem of ``suite``: ``knobs`` (seed, difficulty, length, index) give its stable id,
-    its ``checks`` ((name, code) pairs) are compiled (checks.compile_check), the harness's run_tests runs
-    the script at ``visible_path`` (None: the suite ships no visible tests), and ``meta`` gets the
-    length knob."""
-    seed, difficulty, length, index = knobs
-    return Problem(
-        problem_id=problem_id(suite, seed, difficulty, length, index),
-        suite=suite,
-        instruction=instruction,
-        files=files,
-        checks=[compile_check(name, code) for name, code in checks],
-        visible_test_command=None if visible_path is None else f"python -B {visible_path}",
-        solution=solution,
-        difficulty=difficulty,
-        meta={"length": length, **meta},
-    )
 
 
 def action(tool: str, **arguments: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from environments.problems.checks import grader_script
+from environments.problems.checks import grader_script, suite_problem
 from environments.problems.problem import Problem
 from environments.problems.registry import (
     WORDS,
@@ -29,7 +29,6 @@ from environments.problems.registry import (
     noise_files,
     problem_id,
     register_suite,
-    suite_problem,
 )
 
 MODULE_NAMES = (

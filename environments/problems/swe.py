@@ -20,14 +20,13 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from environments.problems.checks import grader_script
+from environments.problems.checks import grader_script, suite_problem
 from environments.problems.problem import Problem
 from environments.problems.registry import (
     action,
     noise_files,
     problem_id,
     register_suite,
-    suite_problem,
 )
 from environments.problems.repo import (
     STR_SUFFIXES,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from environments.problems.checks import suite_problem
 from environments.problems.problem import Problem
 from environments.problems.registry import (
     WORDS,
@@ -28,7 +29,6 @@ from environments.problems.registry import (
     noise_files,
     problem_id,
     register_suite,
-    suite_problem,
     words,
 )
 
