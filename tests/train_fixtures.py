@@ -7,6 +7,10 @@ import pyarrow.parquet as pq
 import torch
 from transformers import Qwen2ForCausalLM
 
+from engines.model.weights import load_model
+from engines.train.config import TrainerConfig
+from engines.train.core import CoreTrainer
+from engines.train.elastic import ElasticCoordinator
 from tests.test_rollout_fixtures import tiny_qwen2
 from tests.trees import random_execution
 from trajectory_store.config import PackingConfig, SelectionConfig
@@ -82,3 +86,25 @@ def chunks_by_execution(batch: PackedBatch, executions_per_chunk: int = 2) -> li
     missing = len(batch.advantages) - len(seen)  # executions without a sequence still count
     chunks[0] = (chunks[0][0], chunks[0][1] + missing)
     return chunks
+
+
+TRAINER = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)
+"""The elastic tests' optimizer settings."""
+
+
+def load_float32(model_dir: str) -> torch.nn.Module:
+    return load_model(model_dir, dtype=torch.float32)
+
+
+def reference_step(model_dir: str, batch: PackedBatch, batch_uri: str, weights_dir: str):
+    """What the elastic tests compare with: the initial weights, the non-streaming step over the
+    whole batch on the core alone (its CoreTrainer after the step) and that step's report."""
+    initial = {k: v.detach().clone() for k, v in load_float32(model_dir).state_dict().items()}
+    core = CoreTrainer(load_float32(model_dir), TRAINER)
+    coordinator = ElasticCoordinator(core)
+    n_executions = len(batch.advantages)
+    report = coordinator.run_step(
+        0, batch.sequences, n_executions, batch_uri=batch_uri, weights_dir=weights_dir
+    )
+    coordinator.close()
+    return initial, core, report
