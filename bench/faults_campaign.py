@@ -281,6 +281,7 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
     executions end close together)."""
     import httpx
 
+    from environments.gateway_admin import execution_path
     from environments.ledger import execution_id_for
     from environments.problems import Problem
     from flows.config import CampaignConfig
@@ -305,7 +306,7 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
         headers = {"Authorization": f"Bearer {record.admin_token}"}
         for execution_id in ids:
             response = httpx.get(
-                f"{record.gateway_url}/admin/executions/{execution_id}", headers=headers, timeout=5
+                record.gateway_url + execution_path(execution_id), headers=headers, timeout=5
             )
             if response.status_code == 200 and response.json()["calls"] >= 1:
                 return True

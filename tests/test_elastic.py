@@ -13,7 +13,7 @@ import pytest
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.satellite import start_satellites
-from tests.train_fixtures import TRAINER, load_float32, policy_and_batch, reference_step
+from tests.train_fixtures import load_float32, policy_and_batch, reference_step
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +25,7 @@ def setup(tmp_path_factory, one_thread):
     assert len(batch.sequences) >= 8
     weights_dir = str(root / "fast")
     os.makedirs(weights_dir)
-    initial, reference, report = reference_step(model_dir, batch, batch_uri, weights_dir)
-    return {
-        "model_dir": model_dir,
-        "batch": batch,
-        "batch_uri": batch_uri,
-        "weights_dir": weights_dir,
-        "config": TRAINER,
-        "reference": reference.weights(),
-        "reference_report": report,
-        "initial": initial,
-    }
+    return {"batch_uri": batch_uri, **reference_step(model_dir, batch, batch_uri, weights_dir)}
 
 
 def _update_diff(weights, setup) -> float:

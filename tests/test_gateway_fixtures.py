@@ -30,7 +30,9 @@ import torch
 import uvicorn
 from transformers import Qwen2ForCausalLM
 
+from engines.admin import AdminClient
 from engines.net import free_port
+from environments.gateway_admin import EXECUTIONS, finish_path
 from tests.test_rollout_fixtures import (
     one_cpu_thread,  # noqa: F401  (re-exported for the gateway tests)
     tiny_qwen2,
@@ -178,7 +180,7 @@ class Stack:
         import httpx
 
         body = {"execution_id": execution_id, **fields}
-        response = httpx.post(f"{self.url}/admin/executions", headers=ADMIN, json=body, timeout=30)
+        response = httpx.post(self.url + EXECUTIONS, headers=ADMIN, json=body, timeout=30)
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -198,9 +200,7 @@ class Stack:
         return httpx.request(method, f"{self.url}{path}", headers=ADMIN, timeout=60, **kwargs)
 
     def finish(self, execution_id: str, status: str = "completed", reward: float = 1.0) -> dict:
-        response = self.admin(
-            "POST", f"/admin/executions/{execution_id}/finish", json={"status": status, "reward": reward}
-        )
+        response = self.admin("POST", finish_path(execution_id), json={"status": status, "reward": reward})
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -211,16 +211,15 @@ class Stack:
         from trajectory_store.interchange import rebuild_sequences
         from trajectory_store.storage import Store
 
-        self.admin("POST", "/admin/flush")
+        with AdminClient(self.url, ADMIN_TOKEN) as admin:
+            admin.flush()
         table = Store(self.store_config).read_table("calls")
         table = table.filter(pc.equal(table["execution_id"], execution_id))
         return [(row, seq.tolist()) for row, seq in rebuild_sequences(table)]
 
     def engine_stats(self, engine_id: str) -> dict:
-        import httpx
-
-        headers = {"Authorization": f"Bearer {ENGINE_TOKEN}"}
-        return httpx.get(f"{self.engine_urls[engine_id]}/admin/stats", headers=headers, timeout=30).json()
+        with AdminClient(engine_token=ENGINE_TOKEN, timeout_s=30) as admin:
+            return admin.engine_stats(self.engine_urls[engine_id]).model_dump()
 
 
 @contextlib.contextmanager

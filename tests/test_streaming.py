@@ -43,7 +43,6 @@ from engines.train.stream import (
 )
 from engines.train.worker import GradWorker
 from tests.train_fixtures import (
-    TRAINER,
     chunks_by_execution,
     load_float32,
     packed_batch,
@@ -73,19 +72,7 @@ def setup(tmp_path_factory, one_thread):
     weights_dir = str(root / "fast")
     os.makedirs(weights_dir)
     uri = write_chunk(batch.sequences, str(root / "batch.parquet"))
-    initial, reference, report = reference_step(model_dir, batch, uri, weights_dir)
-    return {
-        "root": root,
-        "model_dir": model_dir,
-        "batch": batch,
-        "chunks": chunks,
-        "weights_dir": weights_dir,
-        "config": TRAINER,
-        "reference": reference.weights(),
-        "reference_grad": reference.last_grad.clone(),
-        "reference_report": report,
-        "initial": initial,
-    }
+    return {"root": root, "chunks": chunks, **reference_step(model_dir, batch, uri, weights_dir)}
 
 
 def _update_diff(weights, reference, initial) -> float:

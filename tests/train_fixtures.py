@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow.parquet as pq
 import torch
@@ -96,9 +98,10 @@ def load_float32(model_dir: str) -> torch.nn.Module:
     return load_model(model_dir, dtype=torch.float32)
 
 
-def reference_step(model_dir: str, batch: PackedBatch, batch_uri: str, weights_dir: str):
-    """What the elastic tests compare with: the initial weights, the non-streaming step over the
-    whole batch on the core alone (its CoreTrainer after the step) and that step's report."""
+def reference_step(model_dir: str, batch: PackedBatch, batch_uri: str, weights_dir: str) -> dict[str, Any]:
+    """What the elastic tests compare with, as their setup's entries: the trainer config, the initial
+    weights, and the non-streaming step over the whole batch on the core alone (its weights, gradient
+    and report after the step), with the folders it used."""
     initial = {k: v.detach().clone() for k, v in load_float32(model_dir).state_dict().items()}
     core = CoreTrainer(load_float32(model_dir), TRAINER)
     coordinator = ElasticCoordinator(core)
@@ -107,4 +110,13 @@ def reference_step(model_dir: str, batch: PackedBatch, batch_uri: str, weights_d
         0, batch.sequences, n_executions, batch_uri=batch_uri, weights_dir=weights_dir
     )
     coordinator.close()
-    return initial, core, report
+    return {
+        "model_dir": model_dir,
+        "batch": batch,
+        "weights_dir": weights_dir,
+        "config": TRAINER,
+        "initial": initial,
+        "reference": core.weights(),
+        "reference_grad": core.last_grad.clone(),
+        "reference_report": report,
+    }
