@@ -194,6 +194,10 @@ class Stack:
             base_url=base, api_key=registration["api_key"], max_retries=0, timeout=60, **options
         )
 
+    def typed_admin(self) -> AdminClient:
+        """The typed admin client of this gateway and its engines (use it as a context manager)."""
+        return AdminClient(self.url, ADMIN_TOKEN, ENGINE_TOKEN, timeout_s=60)
+
     def admin(self, method: str, path: str, **kwargs):
         import httpx
 
@@ -211,14 +215,14 @@ class Stack:
         from trajectory_store.interchange import rebuild_sequences
         from trajectory_store.storage import Store
 
-        with AdminClient(self.url, ADMIN_TOKEN) as admin:
+        with self.typed_admin() as admin:
             admin.flush()
         table = Store(self.store_config).read_table("calls")
         table = table.filter(pc.equal(table["execution_id"], execution_id))
         return [(row, seq.tolist()) for row, seq in rebuild_sequences(table)]
 
     def engine_stats(self, engine_id: str) -> dict:
-        with AdminClient(engine_token=ENGINE_TOKEN, timeout_s=30) as admin:
+        with self.typed_admin() as admin:
             return admin.engine_stats(self.engine_urls[engine_id]).model_dump()
 
 
