@@ -128,7 +128,7 @@ def gateway_load(sessions: int = 256, seconds: float = 120.0, root: str | None =
         "max_tokens": MAX_TOKENS,
         "engine_max_batch_size": MAX_BATCH_SIZE,
         "gateway_stats": {
-            key: stats.get(key)
+            key: getattr(stats, key)
             for key in (
                 "calls",
                 "client_errors",
