@@ -208,7 +208,7 @@ class Gateway:
             busy |= agent.route.lock.locked()
             self.router.release(agent.route.session_id)
         try:
-            flushed = await self.flush()
+            flushed = (await self.flush()).model_dump()
         except Exception as exc:  # the store is down: the rows stay buffered, the periodic flush retries
             logger.warning(
                 "flushing at the finish of %s failed (the rows stay buffered): %s", execution_id, exc
