@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) torch==2.13.0
 	# DeepSpeed is an sdist whose setup imports torch: build it against the torch above, ops off.
 	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==0.19.8
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,bench]'
 	touch $(STAMP)
 
 run: install

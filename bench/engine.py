@@ -34,7 +34,6 @@ and far noisier); the figures compare systems on the same model, not the model. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -49,7 +48,11 @@ import pyarrow.compute as pc
 import torch
 
 from bench.engine_workload import bench_engine, bench_migration
-from engines.ports import free_port
+from bench.figures import write_figures
+from engines.admin import AdminClient
+from engines.net import free_port
+from engines.quantiles import quantile
+from environments.gateway_admin import EXECUTIONS, finish_path
 from tasks.services.stack import serving_process
 
 DEFAULT_OUT = "bench/results/engine.json"
@@ -166,7 +169,7 @@ def gateway_overhead(folder: str, tmp: str, executions: int, turns: int) -> dict
     gateway_cmd = [sys.executable, "-m", "engines.gateway", "--model", folder, "--engine", engine_url]
     gateway_cmd += ["--port", str(gateway_port), "--admin-token", ADMIN, "--engine-admin-token", ENGINE_ADMIN]
     gateway_cmd += ["--data-root", store_config.data_root, "--campaign", store_config.campaign]
-    admin = {"Authorization": f"Bearer {ADMIN}"}
+    admin = {"Authorization": f"Bearer {ADMIN}"}  # the execution admin (environments/gateway_admin.py paths)
     codec = ChatCodec.from_folder(folder)
     rng = random.Random(0)
     through, direct, identical, total, last_prompt_tokens = [], [], 0, 0, 0
@@ -179,7 +182,7 @@ def gateway_overhead(folder: str, tmp: str, executions: int, turns: int) -> dict
         for e in range(executions):
             execution_id = f"bench-{e}"
             body = {"execution_id": execution_id}
-            registration = http.post(f"{gateway_url}/admin/executions", headers=admin, json=body).json()
+            registration = http.post(gateway_url + EXECUTIONS, headers=admin, json=body).json()
             headers = {"Authorization": f"Bearer {registration['api_key']}"}
             context = SessionContext(codec)  # the gateway's own prompt logic, to send the same ids direct
             messages = [
@@ -225,17 +228,18 @@ def gateway_overhead(folder: str, tmp: str, executions: int, turns: int) -> dict
                 tool = " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 80)))
                 messages = [*messages, reply, {"role": "user", "content": f"Tool output:\n{tool}"}]
             finish = {"status": "completed"}
-            http.post(f"{gateway_url}/admin/executions/{execution_id}/finish", headers=admin, json=finish)
+            http.post(gateway_url + finish_path(execution_id), headers=admin, json=finish)
             calls = Store(store_config).read_table("calls")
             calls = calls.filter(pc.equal(calls["execution_id"], execution_id))
             for (row, sequence), ids in zip(rebuild_sequences(calls), expected, strict=True):
                 identical += sequence[: row["prompt_len"]].tolist() == ids
                 total += 1
                 last_prompt_tokens = row["prompt_len"]
-        internal = http.get(f"{gateway_url}/admin/stats", headers=admin, params={"samples": True}).json()
+        with AdminClient(gateway_url, ADMIN) as gateway:
+            internal = gateway.gateway_stats(samples=True)
     differences = sorted((g - d) * 1e3 for g, d in zip(through, direct, strict=True))
     internal_ms = sorted(
-        v for i, v in enumerate(internal["gateway_overhead_ms"]["recent_ms"]) if i % turns >= WARMUP_CALLS
+        v for i, v in enumerate(internal.gateway_overhead_ms.recent_ms or []) if i % turns >= WARMUP_CALLS
     )
     return {
         "executions": executions,
@@ -246,24 +250,19 @@ def gateway_overhead(folder: str, tmp: str, executions: int, turns: int) -> dict
         "direct_prompts_identical_to_recorded": f"{identical}/{total}",
         "gateway_latency_ms_p50": round(statistics.median(through) * 1e3, 3),
         "direct_latency_ms_p50": round(statistics.median(direct) * 1e3, 3),
-        "gateway_overhead_ms_p50": round(_quantile(differences, 0.5), 3),
-        "gateway_overhead_ms_p99": round(_quantile(differences, 0.99), 3),
-        "gateway_internal_ms_p50": round(_quantile(internal_ms, 0.5), 3),
-        "gateway_internal_ms_p99": round(_quantile(internal_ms, 0.99), 3),
-        "reused_prompt_tokens": internal["reused_prompt_tokens"],
-        "tokenized_prompt_tokens": internal["tokenized_prompt_tokens"],
-        "retokenized_assistant_messages": internal["retokenized_assistant_messages"],
+        "gateway_overhead_ms_p50": quantile(differences, 0.5, digits=3),
+        "gateway_overhead_ms_p99": quantile(differences, 0.99, digits=3),
+        "gateway_internal_ms_p50": quantile(internal_ms, 0.5, digits=3),
+        "gateway_internal_ms_p99": quantile(internal_ms, 0.99, digits=3),
+        "reused_prompt_tokens": internal.reused_prompt_tokens,
+        "tokenized_prompt_tokens": internal.tokenized_prompt_tokens,
+        "retokenized_assistant_messages": internal.retokenized_assistant_messages,
     }
 
 
 def _process(command: list[str], url: str):
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     return serving_process(command, url, env)
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
 
 
 # entry point -----------------------------------------------------------------------------------------
@@ -296,10 +295,7 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
         f"wall time                               {figures['wall_s']:.1f} s",
     ]
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as handle:
-        json.dump(figures, handle, indent=1)
-    print(f"wrote {out}")
+    write_figures(figures, out)
     return 0
 
 

@@ -27,11 +27,11 @@ import time
 
 import torch
 
+from engines.admin import EngineCounters
 from engines.rollout.config import EngineConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.messages import GenerateRequest, SamplingParams
 from engines.rollout.migration import ShmTransport
-from engines.rollout.state import EngineStats
 
 
 def bench_engine(
@@ -91,7 +91,7 @@ def agent_turns(
     return seen, device_clock(engine.runner.device) - started
 
 
-def cache_figures(stats: EngineStats) -> dict[str, float]:
+def cache_figures(stats: EngineCounters) -> dict[str, float]:
     """Our engine's prefill and prefix-cache counters after a workload."""
     return {
         "ours_prefilled_tokens": stats.prefilled_tokens,

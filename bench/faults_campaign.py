@@ -6,7 +6,7 @@ of the row's kind) on a small campaign, kills one process at a point of a step, 
 dies with it, runs the same `gyre run --name` once more (what a user does, or the UI's Retry). Then:
 
 - every step is committed once, version n+1 after step n;
-- every group member of every step ended once (bench/faults.audit: lost, duplicated, unended);
+- every group member of every step ended once (bench/faults_step.py audit: lost, duplicated, unended);
 - no trajectory is trained twice: the (execution_id, trajectory_id) leaves of every step's packed
   batches are counted, and a key in two batches is a sample trained twice;
 - the row's own check: what should have recovered by itself did (``reruns`` 0), and the revived
@@ -183,7 +183,7 @@ def scheduler_restarts(store: StoreConfig) -> float | None:
 
 def campaign_audit(config_path: Path, name: str) -> tuple[dict[str, int], dict[str, Any]]:
     """Lost, duplicated, unended and abandoned work over every step, and the committed steps."""
-    from bench.faults import audit
+    from bench.faults_step import audit
     from environments.problems import Problem
     from flows.config import CampaignConfig
     from tasks.campaign import choose_problems, committed_steps
@@ -281,7 +281,8 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
     executions end close together)."""
     import httpx
 
-    from environments.dispatch import execution_id_for
+    from environments.gateway_admin import execution_path
+    from environments.ledger import execution_id_for
     from environments.problems import Problem
     from flows.config import CampaignConfig
     from tasks.campaign import choose_problems
@@ -305,7 +306,7 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
         headers = {"Authorization": f"Bearer {record.admin_token}"}
         for execution_id in ids:
             response = httpx.get(
-                f"{record.gateway_url}/admin/executions/{execution_id}", headers=headers, timeout=5
+                record.gateway_url + execution_path(execution_id), headers=headers, timeout=5
             )
             if response.status_code == 200 and response.json()["calls"] >= 1:
                 return True

@@ -3,7 +3,7 @@
 `python -m bench.idle [--seconds 5]` opens a streaming step on a real TCPStore (30 chunks appended,
 all claimed: nothing left to do), then loops as an idle participant does (read the stream's state,
 try to claim, wait) for --seconds, once at a constant 10 ms wait (the trainer until 2026-12-03) and
-once with the backoff the trainer uses now (engines/train/elastic.py ``_Idle``: 10 ms doubling to
+once with the backoff the trainer uses now (engines/train/elastic_protocol.py ``Idle``: 10 ms doubling to
 50 ms). Prints the CPU it took, as a share of one core (process CPU time over wall time: the TCPStore
 server's thread is in the same process, as the core's is), and their ratio; writes them to --out (bench/results/idle.json).
 """
@@ -18,11 +18,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engines.train.elastic import ElasticConfig, _Idle
+from engines.train.elastic_protocol import ElasticConfig, Idle
 from engines.train.stream import append_chunk, open_stream, read_state, step_store, try_claim
 
 
-def idle_share(store: dist.Store, idle: _Idle, seconds: float) -> float:
+def idle_share(store: dist.Store, idle: Idle, seconds: float) -> float:
     cpu, wall = time.process_time(), time.monotonic()
     while time.monotonic() - wall < seconds:
         state = read_state(store)
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         append_chunk(store, f"file:///nonexistent/chunk{i}.parquet", 2, 4, key=f"chunk{i}")
     while try_claim(store, 0, read_state(store).total) is not None:
         pass
-    constant = idle_share(store, _Idle(ElasticConfig(poll_s=0.01, idle_max_s=0.01)), args.seconds)
-    backoff = idle_share(store, _Idle(ElasticConfig()), args.seconds)
+    constant = idle_share(store, Idle(ElasticConfig(poll_s=0.01, idle_max_s=0.01)), args.seconds)
+    backoff = idle_share(store, Idle(ElasticConfig()), args.seconds)
     print(f"idle participant, constant 10 ms wait      cpu {constant * 100:5.2f}% of a core")
     print(f"idle participant, 10 ms doubling to 50 ms   cpu {backoff * 100:5.2f}% of a core")
     print(f"backoff / constant                          {backoff / constant:.3f}")

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 from dataclasses import replace
 
+from bench.figures import write_figures
 from environments.dispatch import dispatch_missing
 from flows.config import CampaignConfig
 from tasks.campaign import problems_for
@@ -96,10 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{figures['executions_per_minute_fresh_interpreter']} with a fresh interpreter each "
         f"({figures['zygote_speedup']}x)"
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(figures, handle, indent=1)
-    print(f"wrote {args.out}")
+    write_figures(figures, args.out)
     return 0
 
 

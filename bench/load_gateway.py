@@ -2,7 +2,7 @@
 
     python -m bench.load_gateway [--sessions 256] [--seconds 120] [--out bench/results/load_gateway.json]
 
-A local stack (tasks/stack.py: one rollout engine process serving the shipped warm start
+A local stack (tasks/services/stack.py: one rollout engine process serving the shipped warm start
 data/policies/tiny-sft widened to float32, and the gateway in its own process) records into a fresh
 store. ``sessions`` executions are registered through the gateway's admin API (GatewayAdmin), then
 ``sessions`` asyncio sessions run at once in this process, each with its own official ``openai``
@@ -54,7 +54,9 @@ from typing import Any
 import httpx
 from openai import APIError, AsyncOpenAI
 
-from environments.dispatch import GatewayAdmin
+from engines.admin import AdminClient, GatewayStatsReport
+from engines.quantiles import quantile
+from environments.gateway_admin import GatewayAdmin
 from tasks.services.stack import local_stack
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
@@ -126,7 +128,7 @@ def gateway_load(sessions: int = 256, seconds: float = 120.0, root: str | None =
         "max_tokens": MAX_TOKENS,
         "engine_max_batch_size": MAX_BATCH_SIZE,
         "gateway_stats": {
-            key: stats.get(key)
+            key: getattr(stats, key)
             for key in (
                 "calls",
                 "client_errors",
@@ -141,7 +143,7 @@ def gateway_load(sessions: int = 256, seconds: float = 120.0, root: str | None =
 # the load -------------------------------------------------------------------------------------------
 async def _drive(
     gateway_url: str, admin_token: str, sessions: int, seconds: float
-) -> tuple[list[SessionLog], dict[str, Any], float]:
+) -> tuple[list[SessionLog], GatewayStatsReport, float]:
     """Registers, runs and finishes every session; (the logs, /admin/stats after the flush, seconds)."""
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)  # admin calls only
     async with httpx.AsyncClient(limits=limits, timeout=CALL_TIMEOUT_S) as http:
@@ -170,11 +172,14 @@ async def _drive(
                 *(_session(admin, client, log, deadline) for client, log in zip(harnesses, logs, strict=True))
             )
             load_s = time.perf_counter() - start
-        headers = {"Authorization": f"Bearer {admin_token}"}
-        (await http.post(f"{gateway_url}/admin/flush", headers=headers)).raise_for_status()
-        response = await http.get(f"{gateway_url}/admin/stats", headers=headers, params={"samples": True})
-        response.raise_for_status()
-    return logs, response.json(), load_s
+    return logs, await asyncio.to_thread(_flushed_stats, gateway_url, admin_token), load_s
+
+
+def _flushed_stats(gateway_url: str, admin_token: str) -> GatewayStatsReport:
+    """The gateway's stats (with every overhead sample) once its recorders flushed."""
+    with AdminClient(gateway_url, admin_token) as admin:
+        admin.flush()
+        return admin.gateway_stats(samples=True)
 
 
 async def _session(admin: GatewayAdmin, client: AsyncOpenAI, log: SessionLog, deadline: float) -> None:
@@ -229,7 +234,7 @@ async def _turn(
 
 
 # the accounting -------------------------------------------------------------------------------------
-def _account(store: StoreConfig, logs: list[SessionLog], stats: dict[str, Any]) -> dict[str, Any]:
+def _account(store: StoreConfig, logs: list[SessionLog], stats: GatewayStatsReport) -> dict[str, Any]:
     con = connect(Store(store))
     stored: dict[str, dict[int, float | None]] = {}
     for execution_id, call_id, t_start, t_end in con.execute(
@@ -268,7 +273,7 @@ def _account(store: StoreConfig, logs: list[SessionLog], stats: dict[str, Any]) 
             if engine_s is not None:
                 overheads.append(latency - engine_s)
     errors = [e for log in logs for e in log.errors]
-    internal = sorted(v / 1e3 for v in stats["gateway_overhead_ms"].get("recent_ms", []))
+    internal = sorted(v / 1e3 for v in stats.gateway_overhead_ms.recent_ms or [])
     calls = sum(len(log.call_ids) for log in logs)
     return {
         "lost": lost,
@@ -283,23 +288,16 @@ def _account(store: StoreConfig, logs: list[SessionLog], stats: dict[str, Any]) 
             "mean": round(calls / len(logs), 2) if logs else 0.0,
         },
         "latency": {
-            "latency_p50_s": _quantile(sorted(latencies), 0.5),
-            "latency_p99_s": _quantile(sorted(latencies), 0.99),
-            "gateway_overhead_p50_s": _quantile(internal, 0.5),
-            "gateway_overhead_p99_s": _quantile(internal, 0.99),
+            "latency_p50_s": quantile(sorted(latencies), 0.5, digits=5),
+            "latency_p99_s": quantile(sorted(latencies), 0.99, digits=5),
+            "gateway_overhead_p50_s": quantile(internal, 0.5, digits=5),
+            "gateway_overhead_p99_s": quantile(internal, 0.99, digits=5),
             "gateway_overhead_samples": len(internal),
-            "client_minus_engine_p50_s": _quantile(sorted(overheads), 0.5),
-            "client_minus_engine_p99_s": _quantile(sorted(overheads), 0.99),
+            "client_minus_engine_p50_s": quantile(sorted(overheads), 0.5, digits=5),
+            "client_minus_engine_p99_s": quantile(sorted(overheads), 0.99, digits=5),
         },
         "errors": {"count": len(errors), "first": errors[:ERRORS_SHOWN]},
     }
-
-
-def _quantile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return round(sorted_values[index], 5)
 
 
 # entry point -----------------------------------------------------------------------------------------

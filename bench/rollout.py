@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from environments.dispatch import DispatchConfig, DurationProfile
+from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
 from environments.sandbox import Sandbox, SandboxLimits, SandboxViolation
 from tasks.rollout import choose_problems, run_rollout, summarize_outcomes

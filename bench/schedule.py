@@ -44,7 +44,8 @@ from pathlib import Path
 
 from scheduler.policy import make_policy
 from sim.presets import PRESETS, Preset, Workload, sample_workload
-from sim.run import RunResult, simulate
+from sim.result import RunResult
+from sim.run import simulate
 
 DEFAULT_OUT = "bench/results/schedule.json"
 QUICK_STEPS = {"paper-flagship": 4, "cpu-small": 12, "cpu-small-tail": 12}

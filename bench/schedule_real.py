@@ -30,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from engines.admin import AdminClient
 from engines.quantiles import quantile
 from engines.train.config import TrainerConfig
-from environments.dispatch import DispatchConfig, DurationProfile, execution_id_for
+from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
+from environments.ledger import execution_id_for
 from environments.problems import Problem
-from scheduler.cells import Admin
 from scheduler.controller import Controller, StepWork
 from scheduler.policy import make_policy
 from scheduler.service import cell_pool, run_controller
@@ -110,7 +111,7 @@ class RealBench:
         )
         stack = self._stack.__enter__()
         self.stack = stack
-        admin = Admin(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
+        admin = AdminClient(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
         self.pool = cell_pool(admin, stack.engine_urls, self.model)
         self.start_s = time.perf_counter() - started
         return self

@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
+from bench.figures import write_figures
 from environments.dispatch import dispatch_missing
 from flows.config import CampaignConfig
 from tasks.campaign import problems_for
@@ -158,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "group_size": args.group_size,
         "rows": results,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(figures, f, indent=2)
-    print(f"wrote {args.out}")
+    write_figures(figures, args.out, indent=2)
     return 0
 
 

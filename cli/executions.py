@@ -54,7 +54,7 @@ def call_gateway(url: str, token: str, action: Callable[[Any], Awaitable[T]]) ->
     """Runs ``action(GatewayAdmin)``; a refusal or an unreachable gateway becomes one ValueError line."""
     import httpx
 
-    from environments.dispatch import GatewayAdmin, GatewayAdminError
+    from environments.gateway_admin import GatewayAdmin, GatewayAdminError
 
     async def run() -> T:
         async with httpx.AsyncClient() as client:

@@ -5,7 +5,10 @@
     gateway/    OpenAI-compatible proxy: token-exact recording, session affinity, rerouting with KV migration
     train/      tree-packed loss, trainer backends, elastic data parallel
     protocol.py the engine wire (gateway <-> engine server), imported by both sides
+    admin.py    the admin wire of the engines and of the gateway's engine management: every /admin/
+                path, the typed request and response models, AdminClient (what every caller uses)
     options.py  command-line options generated from the config classes (engines' servers and `gyre`)
+    net.py      free_port;  quantiles.py  quantile (the one definition of each, for every layer above)
 
 Engines never import flows/, tasks/, scheduler/, sim/ or environments/; flows reach them through tasks/.
 """

@@ -5,8 +5,9 @@ EngineCoreRequest / EngineCoreOutput are shared by its client and its engine cor
     EngineCompletion         its answer: EngineChoice (token_ids, ChoiceLogprobs, finish_reason, and our
                              per-choice extension GyreChoice) + EngineUsage
     ModelCard, ModelList     GET /v1/models (max_model_len and engine_id are our extensions)
-    SessionExport, SessionImport, SessionImported   the KV-migration admin bodies
     common_prefix            how much of a new prompt the receiver already holds (both sides use it)
+    WireModel, ID_PATTERN    the base of every wire model (here and in engines/admin.py, the admin wire),
+                             and the ids the gateway accepts for executions, agents and engines
 
 The fields are vLLM's, named and typed as in vLLM's completions protocol (see engines/rollout/server.py for
 what was checked): a vLLM server can stand behind the gateway, so every model here is lenient (unknown
@@ -19,18 +20,20 @@ No torch here and nothing of the rollout engine: the gateway imports this module
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field
 
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
 
-class _Wire(BaseModel):
+
+class WireModel(BaseModel):
+    """Lenient (unknown fields are ignored), so either side may be newer than the other."""
+
     # -inf logprobs travel as JSON's -Infinity (as Python's json writes them), not as null
     model_config = ConfigDict(extra="ignore", ser_json_inf_nan="constants")
 
 
 # requests ---------------------------------------------------------------------------------------------
-class EngineCompletionRequest(_Wire):
+class EngineCompletionRequest(WireModel):
     """The vLLM completions fields an engine serves, on token ids (there is no tokenizer in an engine)."""
 
     model: str | None = None
@@ -53,29 +56,8 @@ class EngineCompletionRequest(_Wire):
     request_id: str | None = None
 
 
-class SessionExport(_Wire):
-    """POST /admin/export_session: the session whose KV (and request in flight) leaves the engine."""
-
-    session_id: str
-
-
-class SessionImport(_Wire):
-    """POST /admin/import_session: a handle from another engine's export. ``handle`` is the transport's
-    (a ShmHandle of engines/rollout/migration.py); the gateway passes it through unread."""
-
-    handle: dict[str, Any]
-    wait: bool = Field(False, description="answer with the migrated request's completion once it ends")
-
-
-class SessionImported(_Wire):
-    """The answer of an import without wait (or of one whose session had no request in flight)."""
-
-    session_id: str
-    request_id: str | None = None
-
-
 # responses --------------------------------------------------------------------------------------------
-class GyreChoice(_Wire):
+class GyreChoice(WireModel):
     """Our extension of a choice: where and how its tokens were made."""
 
     request_id: str | None = None
@@ -91,7 +73,7 @@ class GyreChoice(_Wire):
     migrated: bool = False
 
 
-class ChoiceLogprobs(_Wire):
+class ChoiceLogprobs(WireModel):
     """vLLM's completions logprobs; ours are raw (log-softmax of the logits before temperature, top-k,
     top-p) and our top_logprobs entries are None: read token_logprobs."""
 
@@ -103,7 +85,7 @@ class ChoiceLogprobs(_Wire):
     top_logprobs: list[dict[str, float] | None] | None = None
 
 
-class EngineChoice(_Wire):
+class EngineChoice(WireModel):
     index: int = 0
     text: str = ""
     logprobs: ChoiceLogprobs | None = None
@@ -113,18 +95,18 @@ class EngineChoice(_Wire):
     gyre: GyreChoice | None = None
 
 
-class PromptTokensDetails(_Wire):
+class PromptTokensDetails(WireModel):
     cached_tokens: int | None = None
 
 
-class EngineUsage(_Wire):
+class EngineUsage(WireModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class EngineCompletion(_Wire):
+class EngineCompletion(WireModel):
     id: str
     object: str = "text_completion"
     created: int = 0
@@ -148,7 +130,7 @@ class EngineCompletion(_Wire):
         return usage.prompt_tokens - cached
 
 
-class ModelCard(_Wire):
+class ModelCard(WireModel):
     id: str
     object: str = "model"
     created: int = 0
@@ -160,7 +142,7 @@ class ModelCard(_Wire):
     )
 
 
-class ModelList(_Wire):
+class ModelList(WireModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
 

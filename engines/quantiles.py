@@ -1,4 +1,5 @@
-"""The quantile every latency figure uses (p50, p95, p99 of a run's measurements), defined once.
+"""The quantile every latency figure uses (the gateway's overhead in /admin/stats, the scheduler's switch
+p50, the benchmarks' p50/p95/p99), defined once.
 
     quantile([0.3, 0.1, 0.2], 0.5)   # 0.2
     quantile([], 0.99)               # None: no measurement, no figure
@@ -12,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def quantile(values: Iterable[float], q: float) -> float | None:
-    """The ``q`` quantile (0 <= q <= 1) of ``values`` by nearest rank; None when there are none."""
+def quantile(values: Iterable[float], q: float, digits: int | None = None) -> float | None:
+    """The ``q`` quantile (0 <= q <= 1) of ``values`` by nearest rank, rounded to ``digits`` when given;
+    None when there are none."""
     ordered = sorted(values)
     if not ordered:
         return None
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
+    value = ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+    return value if digits is None else round(value, digits)

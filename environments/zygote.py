@@ -16,7 +16,7 @@ Protocol (JSON lines). Requests on stdin: ``{"id": n, "argv": [...], "env": {...
 Replies on stdout: ``{"id": n, "pid": p}`` (or ``{"id": n, "error": text}``) once forked, then
 ``{"pid": p, "returncode": r}`` when it ends. The zygote exits when its stdin closes (the dispatcher
 ended or died); children it leaves behind keep running in their own sessions, and the sweep of dead
-dispatchers kills them as it would plain harness processes (environments/dispatch.py).
+dispatchers kills them as it would plain harness processes (environments/sweep.py).
 
 ``Zygote`` is the dispatcher's side: ``pid = await zygote.spawn(argv, env, log)``, then
 ``await zygote.wait(pid)``; a zygote that died fails its pending waits with ``ZygoteLost`` and is

@@ -35,9 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
-
-from engines.train.elastic import run_satellite
+from engines.admin import AdminClient, DrainReport
+from engines.train.satellite import run_satellite
 from scheduler.policy import CellState, Role
 
 JOIN_TIMEOUT_S = 120.0  # a replica that has not joined by then has failed (start-up is seconds)
@@ -64,31 +63,6 @@ class Switch:
     @property
     def seconds(self) -> float:
         return sum(self.phases.values())
-
-
-class Admin:
-    """The gateway's and the engines' admin endpoints (bearer tokens; errors name the endpoint)."""
-
-    def __init__(self, gateway_url: str, gateway_token: str, engine_token: str, timeout_s: float = 120.0):
-        self.gateway_url = gateway_url
-        self._gateway = {"Authorization": f"Bearer {gateway_token}"}
-        self._engine = {"Authorization": f"Bearer {engine_token}"}
-        self.client = httpx.Client(timeout=timeout_s)
-
-    def _call(self, method: str, url: str, headers: dict, body: dict | None = None) -> dict:
-        response = self.client.request(method, url, json=body, headers=headers)
-        if response.status_code != 200:
-            raise RuntimeError(f"{method} {url} answered {response.status_code}: {response.text[:300]}")
-        return response.json()
-
-    def gateway(self, method: str, path: str, body: dict | None = None) -> dict:
-        return self._call(method, f"{self.gateway_url}{path}", self._gateway, body)
-
-    def engine(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
-        return self._call(method, f"{url}{path}", self._engine, body)
-
-    def close(self) -> None:
-        self.client.close()
 
 
 def replica_main(model_dir: str, threads: int, loss: dict, commands, events, leave) -> None:
@@ -197,9 +171,7 @@ class Replica:
 class EngineEnd(Protocol):
     """A cell's rollout engine, as a switch drives it."""
 
-    def drain(
-        self,
-    ) -> dict[str, Any]: ...  # its live sessions move to engines that stay: moved_with_kv, failed
+    def drain(self) -> DrainReport: ...  # its live sessions move to engines that stay
 
     def sleep(self) -> None: ...  # weights and KV freed
 
@@ -225,22 +197,20 @@ class TrainerEnd(Protocol):
 class GatewayEngine:
     """A cell's engine process behind the gateway, through their admin endpoints."""
 
-    def __init__(self, admin: Admin, spec: CellSpec):
+    def __init__(self, admin: AdminClient, spec: CellSpec):
         self.admin, self.spec = admin, spec
 
-    def drain(self) -> dict[str, Any]:
-        return self.admin.gateway("POST", f"/admin/engines/{self.spec.engine_id}/drain")
+    def drain(self) -> DrainReport:
+        return self.admin.drain(self.spec.engine_id)
 
     def sleep(self) -> None:
-        self.admin.engine(self.spec.engine_url, "POST", "/admin/sleep")
+        self.admin.sleep(self.spec.engine_url)
 
     def wake(self, version: int, weights_path: str) -> None:
-        self.admin.engine(
-            self.spec.engine_url, "POST", "/admin/wake", {"path": weights_path, "version": version}
-        )
+        self.admin.wake(self.spec.engine_url, weights_path, version)
 
     def register(self) -> None:
-        self.admin.gateway("POST", f"/admin/engines/{self.spec.engine_id}/activate")
+        self.admin.activate(self.spec.engine_id)
 
 
 @dataclass
@@ -277,7 +247,7 @@ class CellPool:
     @classmethod
     def behind_gateway(
         cls,
-        admin: Admin,
+        admin: AdminClient,
         specs: list[CellSpec],
         model_dir: str,
         *,
@@ -300,8 +270,7 @@ class CellPool:
                 cell.replica.wait_ready()
 
         def sessions() -> dict[str, int]:
-            engines = admin.gateway("GET", "/admin/stats").get("engines", [])
-            return {e["engine_id"]: e.get("sessions", 0) for e in engines}
+            return {e.engine_id: e.sessions for e in admin.gateway_stats().engines}
 
         return cls(cells, sessions=sessions, on_close=admin.close, clock=clock)
 
@@ -315,8 +284,8 @@ class CellPool:
         mark = time.perf_counter()
         drained = cell.engine.drain()
         mark = _phase(switch, "drain", mark)
-        switch.detail["migrated_sessions"] = drained.get("moved_with_kv", 0)
-        switch.detail["drain_failed"] = drained.get("failed", [])
+        switch.detail["migrated_sessions"] = drained.moved_with_kv
+        switch.detail["drain_failed"] = drained.failed
         cell.engine.sleep()
         mark = _phase(switch, "sleep", mark)
         if cell.replica is not None and step_address is not None:

@@ -27,8 +27,9 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field
 
+from engines.admin import AdminClient
 from engines.train.run import TrainStepReport
-from scheduler.cells import Admin, CellPool, CellSpec, Switch
+from scheduler.cells import CellPool, CellSpec, Switch
 from scheduler.controller import Controller, Runtime, StepWork
 from scheduler.policy import make_policy
 from scheduler.report import RunReport, StepDone
@@ -73,9 +74,9 @@ class Campaign(Runtime, Protocol):
     def close(self) -> None: ...
 
 
-def cell_pool(admin: Admin, engine_urls: list[str], model_dir: str) -> CellPool:
+def cell_pool(admin: AdminClient, engine_urls: list[str], model_dir: str) -> CellPool:
     """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``."""
-    engines = {e["url"]: e["engine_id"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
+    engines = {e.url: e.engine_id for e in admin.gateway_stats().engines}
     specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
     return CellPool.behind_gateway(admin, specs, model_dir, threads=1)
 

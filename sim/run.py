@@ -24,6 +24,9 @@ being trained has micro-batches or its update runs; switching time counts as idl
 being entered), switches, and the lower bound max(work term, chain term) of `lower_bound`; per
 step (means), how long its dispatches spread (executions waiting for slots) and how long from its
 first dispatch to its last execution's end.
+
+Pieces: sim/state.py (the modelled parts and the books), sim/result.py (RunResult and lower_bound);
+this module is the event loop over them.
 """
 
 from __future__ import annotations
@@ -31,160 +34,15 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
 
 from scheduler.policy import CellState, Decision, Policy, SchedulerState, StepProgress
 from sim.presets import Preset, Workload, sample_workload
+from sim.result import RunResult, lower_bound
+from sim.state import SimCell, SimExecution, StepBook, Tally
 
 DECODE_END, GAP_END, DEADLINE, SWITCH_DONE, TRAIN_DRAINED, UPDATE_DONE, TICK = range(7)
 STEP_WINDOW = 4  # steps the controller lists in the state (a window of the campaign)
 STALL_FACTOR = 50  # a run past 50x its lower bound is a policy that stopped dispatching
-
-
-@dataclass(frozen=True)
-class Bound:
-    """A lower bound on the makespan and its two terms."""
-
-    work_s: float
-    """(Slot-seconds of all executions at batch-1 speed / sessions per cell + training
-    cell-seconds) over all cells: no policy can keep the pool busier than fully."""
-    chain_s: float
-    """The longest dependency chain: step s cannot start before update s - depth, so the chain
-    sums, over every depth-th step, its longest execution at batch-1 speed and its update."""
-
-    @property
-    def seconds(self) -> float:
-        return max(self.work_s, self.chain_s)
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What one simulated campaign measured."""
-
-    policy: str
-    makespan_s: float
-    idle_train: float
-    """Idle device-seconds of train cells over their device-seconds in the train role."""
-    idle_rollout: float
-    """Idle device-seconds of rollout cells over their device-seconds in the rollout role."""
-    switches: int
-    migrations: int
-    """Sessions moved between engines."""
-    timeouts: int
-    max_policy_lag: int
-    """Largest step - version at any dispatch (the staleness of trained calls)."""
-    share_over_4h: float
-    """Executions that ran 4 hours or more, as simulated."""
-    bound: Bound
-    dispatch_spread_s: float
-    """Mean over steps of the time from a step's first dispatch to its last: how long its
-    executions waited for slots."""
-    step_span_s: float
-    """Mean over steps of the time from a step's first dispatch to its last execution's end (the
-    chain term counts the longest execution alone)."""
-    events: int
-    wall_s: float
-    """Seconds the simulation itself took."""
-    cpu_busy: float | None = None
-    """CPU presets: the share of the shared cores' time the cells kept busy."""
-
-    @property
-    def over_bound(self) -> float:
-        return self.makespan_s / self.bound.seconds
-
-    def figures(self) -> dict[str, float | int | str]:
-        """The JSON row of this run."""
-        return {
-            "policy": self.policy,
-            "makespan_s": round(self.makespan_s, 1),
-            "makespan_h": round(self.makespan_s / 3600, 3),
-            "idle_train": round(self.idle_train, 4),
-            "idle_rollout": round(self.idle_rollout, 4),
-            "switches": self.switches,
-            "migrations": self.migrations,
-            "timeouts": self.timeouts,
-            "max_policy_lag": self.max_policy_lag,
-            "share_over_4h": round(self.share_over_4h, 4),
-            "lower_bound_s": round(self.bound.seconds, 1),
-            "bound_work_s": round(self.bound.work_s, 1),
-            "bound_chain_s": round(self.bound.chain_s, 1),
-            "over_lower_bound": round(self.over_bound, 4),
-            "dispatch_spread_s": round(self.dispatch_spread_s, 1),
-            "step_span_s": round(self.step_span_s, 1),
-            "events": self.events,
-            "sim_wall_s": round(self.wall_s, 2),
-            **({} if self.cpu_busy is None else {"cpu_busy": round(self.cpu_busy, 4)}),
-        }
-
-
-def lower_bound(preset: Preset, work: Workload, depth: int) -> Bound:
-    """Both terms of SCHEDULER-NOTES' bound for a policy that keeps `depth` steps in flight."""
-    slot_s = float(work.batch1_s.sum()) / preset.engine.sessions_per_cell
-    train_s = (
-        float(work.train_tokens.sum()) / preset.trainer.tokens_per_s + preset.steps * preset.trainer.update_s
-    )
-    longest = work.batch1_s.max(axis=1) + preset.trainer.update_s
-    chain = max(float(longest[r::depth].sum()) for r in range(min(depth, preset.steps)))
-    return Bound(work_s=(slot_s + train_s) / preset.cluster.cells, chain_s=chain)
-
-
-@dataclass(eq=False)
-class _Cell:
-    idx: int
-    cell_id: str
-    core: bool
-    role: str
-    phase: str = "ready"
-    since: float = 0.0
-    hosted: int = 0
-    decoding: int = 0
-    kv_tokens: float = 0.0
-    switch_gen: int = 0
-    mark: float = 0.0  # start of the current role period (accounting)
-    hosted_mark: float = 0.0  # last change of `hosted` (slot-occupancy accounting)
-    sessions: set[_Exec] = field(default_factory=set)
-
-
-@dataclass(eq=False)
-class _Exec:
-    step: int
-    index: int
-    cell: int = -1
-    segment: int = 0
-    decoding: bool = False
-    seg_end: float = 0.0
-    latency: float = 0.0
-    gen: int = 0
-    version: int = 0
-    started: float = 0.0
-    done: bool = False
-
-
-@dataclass
-class _Steps:
-    """Per-step bookkeeping of dispatch, completion and training."""
-
-    dispatched: list[int]
-    finished_groups: list[int]
-    group_left: list[list[int]]
-    group_tokens: list[list[float]]
-    backlog: list[float]
-
-
-@dataclass
-class _Tally:
-    role_s: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "train": 0.0})
-    busy_s: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "train": 0.0})
-    switches: int = 0
-    migrations: int = 0
-    timeouts: int = 0
-    max_lag: int = 0
-    over_4h: int = 0
-    finished: int = 0
-    first_dispatch: dict[int, float] = field(default_factory=dict)  # step -> seconds
-    last_dispatch: dict[int, float] = field(default_factory=dict)
-    last_finish: dict[int, float] = field(default_factory=dict)
-    core_busy_s: float = 0.0  # shared cores only: core-seconds of work
 
 
 class Simulation:
@@ -198,16 +56,18 @@ class Simulation:
         self.events: list[tuple[float, int, int, object, int]] = []
         self.seq = 0
         self.cells = [
-            _Cell(i, f"cell-{i:04d}", i == 0, "train" if i == 0 else "rollout")
+            SimCell(i, f"cell-{i:04d}", i == 0, "train" if i == 0 else "rollout")
             for i in range(preset.cluster.cells)
         ]
         self.by_id = {c.cell_id: c for c in self.cells}
         self.ready_train = 1
         self.slots: list[tuple[int, int]] = [(0, c.idx) for c in self.cells if c.role == "rollout"]
-        self.execs = [[_Exec(s, i) for i in range(preset.executions_per_step)] for s in range(preset.steps)]
+        self.execs = [
+            [SimExecution(s, i) for i in range(preset.executions_per_step)] for s in range(preset.steps)
+        ]
         self._order_dispatch()
         n_groups, size = preset.groups_per_step, preset.group_size
-        self.steps = _Steps(
+        self.steps = StepBook(
             dispatched=[0] * preset.steps,
             finished_groups=[0] * preset.steps,
             group_left=[[size] * n_groups for _ in range(preset.steps)],
@@ -222,7 +82,7 @@ class Simulation:
         self.dispatched = 0
         self.finished = 0
         self.unfinished_by_version: dict[int, int] = {}
-        self.tally = _Tally()
+        self.tally = Tally()
         self.makespan = math.nan
 
     def _order_dispatch(self) -> None:
@@ -295,7 +155,7 @@ class Simulation:
         if kind == TICK:
             self._tick()
         elif kind in (DECODE_END, GAP_END, DEADLINE):
-            assert isinstance(target, _Exec)
+            assert isinstance(target, SimExecution)
             if target.done or (kind != DEADLINE and target.gen != gen):
                 return
             if kind == DEADLINE:
@@ -305,7 +165,7 @@ class Simulation:
             else:
                 self._next_segment(target)
         elif kind == SWITCH_DONE:
-            assert isinstance(target, _Cell)
+            assert isinstance(target, SimCell)
             if target.switch_gen == gen:
                 self._switch_done(target)
         elif kind == TRAIN_DRAINED:
@@ -374,7 +234,7 @@ class Simulation:
         for order in decision.dispatch:
             self._dispatch(order.step, order.executions)
 
-    def _switch_done(self, cell: _Cell) -> None:
+    def _switch_done(self, cell: SimCell) -> None:
         self._advance_training()
         self._account(cell)
         cell.phase = "ready"
@@ -384,7 +244,7 @@ class Simulation:
             self.ready_train += 1
         self._training_changed()
 
-    def _account(self, cell: _Cell) -> None:
+    def _account(self, cell: SimCell) -> None:
         """Closes the cell's current role period (switching counts in the role being entered)."""
         self.tally.role_s[cell.role] += self.now - cell.mark
         cell.mark = self.now
@@ -408,7 +268,7 @@ class Simulation:
             self._push(self.now + self.p.deadline_s, DEADLINE, e)
             self._start_decode(e, 0.0, float(self.work.decode_tokens[e.step, e.index, 0]))
 
-    def _free_slot(self) -> _Cell:
+    def _free_slot(self) -> SimCell:
         """The ready rollout engine with the fewest sessions (lazy heap of (hosted, cell))."""
         cap = self.p.engine.sessions_per_cell
         while self.slots:
@@ -420,14 +280,14 @@ class Simulation:
             f"no free rollout slot at t={self.now:.1f}s: the policy dispatched or moved cells beyond the capacity"
         )
 
-    def _occupancy(self, cell: _Cell) -> None:
+    def _occupancy(self, cell: SimCell) -> None:
         """Rollout work = slot-seconds used / slots: the share of its sessions a cell hosts."""
         self.tally.busy_s["rollout"] += (
             cell.hosted / self.p.engine.sessions_per_cell * (self.now - cell.hosted_mark)
         )
         cell.hosted_mark = self.now
 
-    def _place(self, e: _Exec, cell: _Cell) -> None:
+    def _place(self, e: SimExecution, cell: SimCell) -> None:
         self._occupancy(cell)
         cell.hosted += 1
         cell.sessions.add(e)
@@ -438,7 +298,7 @@ class Simulation:
             self.slots = [(c.hosted, c.idx) for c in self.cells if c.role == "rollout" and c.phase == "ready"]
             heapq.heapify(self.slots)
 
-    def _unplace(self, e: _Exec) -> _Cell:
+    def _unplace(self, e: SimExecution) -> SimCell:
         cell = self.cells[e.cell]
         self._occupancy(cell)
         cell.hosted -= 1
@@ -472,7 +332,7 @@ class Simulation:
         if self.p.cluster.shared_cores is not None:
             self._advance_training()
 
-    def _start_decode(self, e: _Exec, delay: float, tokens: float) -> None:
+    def _start_decode(self, e: SimExecution, delay: float, tokens: float) -> None:
         """Decodes `tokens` after `delay` at the latency of the engine's batch as it is now."""
         cell = self.cells[e.cell]
         context = float(self.work.context[e.step, e.index, e.segment])
@@ -482,18 +342,18 @@ class Simulation:
         e.decoding = True
         self._schedule(e, self.now + delay + tokens * e.latency, DECODE_END)
 
-    def _schedule(self, e: _Exec, when: float, kind: int) -> None:
+    def _schedule(self, e: SimExecution, when: float, kind: int) -> None:
         e.gen += 1
         e.seg_end = when
         self._push(when, kind, e, e.gen)
 
-    def _decode_end(self, e: _Exec) -> None:
+    def _decode_end(self, e: SimExecution) -> None:
         self._cores_changing()
         self.cells[e.cell].decoding -= 1
         e.decoding = False
         self._schedule(e, self.now + float(self.work.gaps_s[e.step, e.index, e.segment]), GAP_END)
 
-    def _next_segment(self, e: _Exec) -> None:
+    def _next_segment(self, e: SimExecution) -> None:
         if e.segment + 1 == self.p.segments:
             self._finish(e, timeout=False)
             return
@@ -505,12 +365,12 @@ class Simulation:
         e.segment += 1
         self._start_decode(e, 0.0, float(w.decode_tokens[e.step, e.index, e.segment]))
 
-    def _migrate_all(self, cell: _Cell) -> None:
+    def _migrate_all(self, cell: SimCell) -> None:
         """Moves every session of a cell leaving rollout to the engines that stay."""
         for e in sorted(cell.sessions, key=lambda e: (e.step, e.index)):
             self._migrate(e)
 
-    def _migrate(self, e: _Exec) -> None:
+    def _migrate(self, e: SimExecution) -> None:
         engine = self.p.engine
         context = float(self.work.context[e.step, e.index, e.segment])
         move_s = engine.migrate_fixed_s + context * engine.kv_bytes_per_token / engine.migrate_bytes_per_s
@@ -524,7 +384,7 @@ class Simulation:
         else:
             self._schedule(e, max(e.seg_end, self.now + move_s), GAP_END)  # KV moves during the gap
 
-    def _finish(self, e: _Exec, timeout: bool) -> None:
+    def _finish(self, e: SimExecution, timeout: bool) -> None:
         self._unplace(e)
         e.done = True
         self.finished += 1

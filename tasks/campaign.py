@@ -38,9 +38,11 @@ from prefect.artifacts import update_progress_artifact
 from pydantic import BaseModel, Field, model_validator
 
 from engines.train.run import TrainStepReport
-from environments.dispatch import DispatchConfig, ExecutionOutcome, dispatch_missing
+from environments.dispatch import dispatch_missing
+from environments.dispatch_config import DispatchConfig
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
+from environments.runner import ExecutionOutcome
 from tasks.services.campaign import (
     Services,
     policy_path,

@@ -18,15 +18,12 @@ from typing import Any, ParamSpec, TypeVar
 
 from prefect import task
 
-from environments.dispatch import (
-    DispatchConfig,
-    DurationProfile,
-    ExecutionOutcome,
-    GatewayAdminError,
-    dispatch,
-)
+from environments.dispatch import dispatch
+from environments.dispatch_config import DispatchConfig, DurationProfile
+from environments.gateway_admin import GatewayAdminError
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate, read_folder
+from environments.runner import ExecutionOutcome
 from trajectory_store.storage import StoreConfig
 
 __all__ = [

@@ -34,21 +34,18 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from engines.admin import AdminClient
 from engines.quantiles import quantile
 from engines.train.config import TrainerConfig
 from engines.train.run import TrainStepReport
 from engines.train.stream import write_chunk
-from environments.dispatch import (
-    DispatchConfig,
-    StepLedger,
-    builtin_harness_env,
-    dispatch,
-    group_id_for,
-    step_ledger,
-)
+from environments.dispatch import dispatch
+from environments.dispatch_config import DispatchConfig
+from environments.ledger import StepLedger, group_id_for, step_ledger
 from environments.problems import Problem
+from environments.runner import builtin_harness_env
 from environments.zygote import Zygote
-from scheduler.cells import Admin, Switch
+from scheduler.cells import Switch
 from scheduler.controller import Chunk, StepWork
 from scheduler.report import Outcome, StepDone
 from scheduler.service import SchedulerConfig, cell_pool, schedule_steps
@@ -269,7 +266,7 @@ def main() -> int:
         raise ValueError(
             f"the scheduler needs at least 2 cells (serving.engines); got {len(services.engine_urls)}"
         )
-    admin = Admin(
+    admin = AdminClient(
         services.gateway_url,
         services.admin_token.get_secret_value(),
         services.engine_admin_token.get_secret_value(),

@@ -14,7 +14,7 @@ from typing import Any
 from prefect import task
 
 from environments.demos import demonstrations, gives_up
-from environments.dispatch import DispatchConfig, DurationProfile
+from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
 from tasks.rollout import choose_problems, run_rollout, summarize_outcomes
 from tasks.services.stack import local_stack

@@ -1,13 +1,15 @@
 """Shared fixtures: a real Prefect test harness (one per session: each costs seconds), a real S3 API
-server on loopback (moto's ThreadedMotoServer), and temporary stores."""
+server on loopback (moto's ThreadedMotoServer), temporary stores, the CLI's environment kept inside a
+test (cli_env), and torch on one thread for a module (one_thread)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import pytest
+
+from engines.net import free_port
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -21,12 +23,6 @@ def prefect_harness():
         yield
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3 API server on 127.0.0.1 (not a mocked client): s3fs and boto3 talk HTTP to it."""
@@ -35,7 +31,7 @@ def s3_server():
     # the server's per-request log lines would land in whatever stream a test captures
     for name in ("werkzeug", "moto"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
@@ -72,3 +68,22 @@ def store_config(tmp_path):
     from trajectory_store.storage import StoreConfig
 
     return StoreConfig(data_root=str(tmp_path / "data"), campaign="test")
+
+
+@pytest.fixture
+def cli_env(monkeypatch, tmp_path):
+    """The CLI reads defaults from the environment and sets PREFECT_HOME: keep both inside the test."""
+    monkeypatch.delenv("GYRE_DATA_ROOT", raising=False)
+    monkeypatch.delenv("GYRE_CAMPAIGN", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one CPU thread for a module's tests: a 32-wide model is fastest single-threaded (on a
+    busy 2-core host, two threads spin), and with one thread here and in every satellite a
+    micro-batch's gradient is bitwise the same wherever it is computed."""
+    from tests.test_rollout_fixtures import one_cpu_thread
+
+    with one_cpu_thread():
+        yield

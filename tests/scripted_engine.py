@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 
+from engines.admin import ENGINE_STATS
 from tests.test_gateway_fixtures import gateway_stack, serving, tokenizer
 
 Policy = Callable[[str], str]
@@ -43,7 +44,7 @@ def scripted_engine_app(policy: Policy, *, delay_s: float = 0.0) -> FastAPI:
     def models() -> dict:
         return {"object": "list", "data": [{"id": "scripted", "object": "model", "max_model_len": 65536}]}
 
-    @app.get("/admin/stats")
+    @app.get(ENGINE_STATS.path)
     def stats() -> dict:
         return {"engine_id": "scripted", "policy_version": 0, "calls": calls["n"]}
 

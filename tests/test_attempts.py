@@ -16,18 +16,16 @@ import httpx
 import openai
 import pytest
 
-from environments.dispatch import (
+from environments.dispatch import dispatch
+from environments.dispatch_config import DispatchConfig, DurationProfile
+from environments.gateway_admin import GatewayAdmin, GatewayAdminError
+from environments.ledger import step_ledger
+from environments.sweep import (
     HARNESS_FILE,
     OWNER_FILE,
-    DispatchConfig,
-    DurationProfile,
-    GatewayAdmin,
-    GatewayAdminError,
-    _forget_harness,
-    _record_harness,
-    _start_time,
-    dispatch,
-    step_ledger,
+    forget_harness,
+    record_harness,
+    start_time,
     sweep_dead_dispatchers,
 )
 from tests.scripted_engine import scripted_stack, tool_call
@@ -216,14 +214,14 @@ def test_a_sigkilled_dispatchers_hanging_harnesses_are_killed_by_the_sweep(tmp_p
     left.mkdir()
     (left / OWNER_FILE).write_text(str(dead_pid()))
     harness, child = hanging_harness()
-    _record_harness(left, harness.pid)
+    record_harness(left, harness.pid)
     leaderless, its_child = hanging_harness()
-    _record_harness(left, leaderless.pid)
+    record_harness(left, leaderless.pid)
     os.kill(leaderless.pid, signal.SIGKILL)  # the leader is gone, its child still runs in its group
     leaderless.wait()
     stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
     with open(left / HARNESS_FILE, "a") as records:  # as if a recorded harness's pid were reused
-        records.write(f"{stranger.pid} {_start_time(stranger.pid) - 1}\n")
+        records.write(f"{stranger.pid} {start_time(stranger.pid) - 1}\n")
     try:
         assert sweep_dead_dispatchers(tmp_path) == 1
         assert harness.wait(timeout=10) == -signal.SIGKILL
@@ -244,12 +242,12 @@ def test_a_live_dispatchers_harnesses_are_never_killed(tmp_path):
     live.mkdir()
     (live / OWNER_FILE).write_text(str(os.getpid()))
     harness, child = hanging_harness()
-    _record_harness(live, harness.pid)
+    record_harness(live, harness.pid)
     try:
         assert sweep_dead_dispatchers(tmp_path) == 0
         time.sleep(0.2)
         assert harness.poll() is None and not ended(child, wait_s=0) and live.exists()
-        _forget_harness(live, harness.pid)  # what the dispatcher does once it has waited for one
+        forget_harness(live, harness.pid)  # what the dispatcher does once it has waited for one
         assert (live / HARNESS_FILE).read_text() == ""
     finally:
         os.killpg(harness.pid, signal.SIGKILL)

@@ -26,14 +26,6 @@ from trajectory_store.storage import Store, StoreConfig
 VOCAB_SIZE = 1000  # the sample preset draws token ids from [0, 1000)
 
 
-@pytest.fixture
-def cli_env(monkeypatch, tmp_path):
-    """The CLI reads defaults from the environment and sets PREFECT_HOME: keep both inside the test."""
-    monkeypatch.delenv("GYRE_DATA_ROOT", raising=False)
-    monkeypatch.delenv("GYRE_CAMPAIGN", raising=False)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-
-
 # -- the variants --------------------------------------------------------------------------------
 
 

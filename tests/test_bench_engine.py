@@ -10,13 +10,9 @@ import pytest
 
 from bench.engine_workload import agent_turns, bench_engine, bench_migration
 from engines.rollout import EngineConfig, RolloutEngine
-from tests.test_rollout_fixtures import one_cpu_thread, tiny_policy
+from tests.test_rollout_fixtures import tiny_policy
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_cpu_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -175,7 +175,7 @@ def test_step_progress_moves_the_artifact_as_executions_finish(prefect_harness):
     from prefect import flow
     from prefect.artifacts import Artifact, create_progress_artifact
 
-    from environments.dispatch import ExecutionOutcome
+    from environments.runner import ExecutionOutcome
     from tasks.campaign import StepProgress
 
     seen = []

@@ -8,6 +8,7 @@ by one process, and every switch is timed per phase."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 
@@ -15,12 +16,14 @@ import httpx
 import pytest
 import torch
 
+from engines.admin import AdminClient
 from engines.model.weights import load_model
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.stream import StreamProducer, write_chunk
-from scheduler.cells import Admin, CellPool, CellSpec
+from environments.gateway_admin import GatewayAdmin
+from scheduler.cells import CellPool, CellSpec
 from tasks.services.stack import local_stack
 from tests.campaign_fixtures import tiny_policy
 from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
@@ -31,6 +34,16 @@ pytestmark = pytest.mark.slow
 
 def _load(model_dir: str) -> torch.nn.Module:
     return load_model(model_dir, dtype=torch.float32)
+
+
+def _register(stack, execution_id: str) -> dict:
+    """The execution registered as a dispatcher registers one (environments/gateway_admin.py)."""
+
+    async def register() -> dict:
+        async with httpx.AsyncClient() as client:
+            return await GatewayAdmin(stack.gateway_url, stack.admin_token, client).register(execution_id)
+
+    return asyncio.run(register())
 
 
 def _chat(registration: dict, text: str) -> dict:
@@ -65,10 +78,10 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
     solo.close()
 
     with local_stack(policy, StoreConfig(data_root=str(tmp_path / "data")), engines=2) as stack:
-        admin = Admin(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
-        register = admin.gateway("POST", "/admin/executions", {"execution_id": "e1"})
+        admin = AdminClient(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
+        register = _register(stack, "e1")
         first = _chat(register, "hello")["gyre"]["engine_id"]
-        engines = {e["engine_id"]: e["url"] for e in admin.gateway("GET", "/admin/stats")["engines"]}
+        engines = {e.engine_id: e.url for e in admin.gateway_stats().engines}
         other = next(e for e in engines if e != first)
         specs = [
             CellSpec("cell-0", engines[other], other, core=True),
@@ -92,16 +105,16 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
             assert not to_train.detail["late"] and to_train.detail["weight_pull_s"] is not None
             # the execution goes on, on the engine that stays
             assert _chat(register, "and then?")["gyre"]["engine_id"] == other
-            assert admin.engine(engines[first], "GET", "/admin/stats")["asleep"]
+            assert admin.engine_stats(engines[first]).asleep
 
             for k, (chunk_uri, count, n) in enumerate(chunks[2:], start=2):
                 producer.append(chunk_uri, count, n, key=f"c{k}")
             to_rollout = pool.to_rollout("cell-1", 1, os.path.join(policy, "model.safetensors"))
             assert set(to_rollout.phases) == {"leave", "wake", "register"}
-            stats = admin.engine(engines[first], "GET", "/admin/stats")
-            assert not stats["asleep"] and stats["policy_version"] == 1
+            stats = admin.engine_stats(engines[first])
+            assert not stats.asleep and stats.policy_version == 1
             # the woken engine takes new sessions again (the other one holds e1)
-            second = admin.gateway("POST", "/admin/executions", {"execution_id": "e2"})
+            second = _register(stack, "e2")
             assert _chat(second, "hi")["gyre"]["engine_id"] == first
 
             producer.close()

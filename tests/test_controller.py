@@ -15,10 +15,10 @@ import os
 
 import pytest
 
+from engines.admin import AdminClient
 from engines.train.config import TrainerConfig
-from environments.dispatch import DispatchConfig, DurationProfile
+from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
-from scheduler.cells import Admin
 from scheduler.controller import Controller
 from scheduler.policy import make_policy
 from scheduler.report import cpu_busy
@@ -56,7 +56,7 @@ def test_elastic_runs_two_steps_on_real_cells(tmp_path):
     fast_dir = str(tmp_path / "fast")
     os.makedirs(fast_dir)
     with local_stack(POLICY, StoreConfig(data_root=data_root), engines=3, dtype="float32") as stack:
-        admin = Admin(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
+        admin = AdminClient(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
         pool = cell_pool(admin, stack.engine_urls, POLICY)
         target = Store(store)
         services = Services(

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from deployments.deploy import DEFAULT_FILE, ROOT, check, read_specs, worker_command
-from engines.ports import free_port
+from engines.net import free_port
 
 
 def test_the_shipped_deployments_load_validate_and_have_schedules():

@@ -9,26 +9,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from engines.model.weights import load_model
-from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.satellite import start_satellites
-from tests.train_fixtures import policy_and_batch
+from tests.train_fixtures import load_float32, policy_and_batch, reference_step
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """The core computes on this process's threads, satellites on one each: the same thread count
-    everywhere makes every micro-batch's gradient bitwise the same wherever it is computed."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")
@@ -38,28 +25,7 @@ def setup(tmp_path_factory, one_thread):
     assert len(batch.sequences) >= 8
     weights_dir = str(root / "fast")
     os.makedirs(weights_dir)
-    config = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)
-    reference = CoreTrainer(_load(model_dir), config)
-    coordinator = ElasticCoordinator(reference)
-    report = coordinator.run_step(
-        0, batch.sequences, len(batch.advantages), batch_uri=batch_uri, weights_dir=weights_dir
-    )
-    ref_weights = reference.weights()
-    initial = {k: v.detach().clone() for k, v in _load(model_dir).state_dict().items()}
-    return {
-        "model_dir": model_dir,
-        "batch": batch,
-        "batch_uri": batch_uri,
-        "weights_dir": weights_dir,
-        "config": config,
-        "reference": ref_weights,
-        "reference_report": report,
-        "initial": initial,
-    }
-
-
-def _load(model_dir: str) -> torch.nn.Module:
-    return load_model(model_dir, dtype=torch.float32)
+    return {"batch_uri": batch_uri, **reference_step(model_dir, batch, batch_uri, weights_dir)}
 
 
 def _update_diff(weights, setup) -> float:
@@ -74,7 +40,7 @@ def _update_diff(weights, setup) -> float:
 
 
 def _run(setup, satellites: list[dict], pace_s: float):
-    core = CoreTrainer(_load(setup["model_dir"]), setup["config"])
+    core = CoreTrainer(load_float32(setup["model_dir"]), setup["config"])
     coordinator = ElasticCoordinator(core)
     # the step starts once every satellite is up (process start-up is seconds here)
     processes = start_satellites(

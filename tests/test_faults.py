@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.faults import POLICY, kill_dispatcher, kill_engine, misbehaving, s3_stall
+from bench.faults_processes import kill_dispatcher, kill_engine, misbehaving
+from bench.faults_scale import s3_stall
+from bench.faults_step import POLICY
 from tasks.rollout import choose_problems
 from tasks.services.stack import local_stack
 from trajectory_store.storage import StoreConfig

@@ -17,13 +17,13 @@ import pytest
 from engines.gateway import EngineSpec, Gateway, GatewayConfig
 from engines.gateway.app import create_app
 from engines.model.tokenizer import save_tokenizer
+from engines.net import free_port
 from engines.rollout import EngineConfig, RolloutEngine
 from engines.rollout.server import create_app as engine_app
 from tests.test_gateway_fixtures import (
     ADMIN,
     ADMIN_TOKEN,
     ENGINE_TOKEN,
-    free_port,
     one_cpu_thread,
     scripted_model,
     serving,

@@ -23,15 +23,20 @@ import contextlib
 import functools
 import itertools
 import random
-import socket
 import threading
 import time
 
 import torch
 import uvicorn
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
-from tests.test_rollout_fixtures import one_cpu_thread  # noqa: F401  (re-exported for the gateway tests)
+from engines.admin import AdminClient
+from engines.net import free_port
+from environments.gateway_admin import EXECUTIONS, finish_path
+from tests.test_rollout_fixtures import (
+    one_cpu_thread,  # noqa: F401  (re-exported for the gateway tests)
+    tiny_qwen2,
+)
 
 TOOL_CALL_TEXT = '<tool_call>{"arguments":\n{},\n"name": "search"}</tool_call>'
 TEXT_SCRIPT_TOKENS = 80
@@ -75,20 +80,18 @@ def scripted_model(tok, hidden: int = 128, max_positions: int = 8192) -> Qwen2Fo
     assert len(newline) == 1
     newline = newline[0]
     marker = vocab["<tool_call>"]
-    config = Qwen2Config(
-        vocab_size=n,
+    model = tiny_qwen2(
+        n,
+        max_positions,
         hidden_size=hidden,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         intermediate_size=32,
-        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-        attn_implementation="sdpa",
-    )
-    model = Qwen2ForCausalLM(config).float().eval()
+    ).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -151,12 +154,6 @@ def serving(app, *, port: int | None = None):
         thread.join(timeout=30)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def kill(server: uvicorn.Server) -> None:
     """Stops a server as a crash would: no graceful wait for requests in flight."""
     server.force_exit = True
@@ -183,7 +180,7 @@ class Stack:
         import httpx
 
         body = {"execution_id": execution_id, **fields}
-        response = httpx.post(f"{self.url}/admin/executions", headers=ADMIN, json=body, timeout=30)
+        response = httpx.post(self.url + EXECUTIONS, headers=ADMIN, json=body, timeout=30)
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -197,15 +194,17 @@ class Stack:
             base_url=base, api_key=registration["api_key"], max_retries=0, timeout=60, **options
         )
 
+    def typed_admin(self) -> AdminClient:
+        """The typed admin client of this gateway and its engines (use it as a context manager)."""
+        return AdminClient(self.url, ADMIN_TOKEN, ENGINE_TOKEN, timeout_s=60)
+
     def admin(self, method: str, path: str, **kwargs):
         import httpx
 
         return httpx.request(method, f"{self.url}{path}", headers=ADMIN, timeout=60, **kwargs)
 
     def finish(self, execution_id: str, status: str = "completed", reward: float = 1.0) -> dict:
-        response = self.admin(
-            "POST", f"/admin/executions/{execution_id}/finish", json={"status": status, "reward": reward}
-        )
+        response = self.admin("POST", finish_path(execution_id), json={"status": status, "reward": reward})
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -216,16 +215,15 @@ class Stack:
         from trajectory_store.interchange import rebuild_sequences
         from trajectory_store.storage import Store
 
-        self.admin("POST", "/admin/flush")
+        with self.typed_admin() as admin:
+            admin.flush()
         table = Store(self.store_config).read_table("calls")
         table = table.filter(pc.equal(table["execution_id"], execution_id))
         return [(row, seq.tolist()) for row, seq in rebuild_sequences(table)]
 
     def engine_stats(self, engine_id: str) -> dict:
-        import httpx
-
-        headers = {"Authorization": f"Bearer {ENGINE_TOKEN}"}
-        return httpx.get(f"{self.engine_urls[engine_id]}/admin/stats", headers=headers, timeout=30).json()
+        with self.typed_admin() as admin:
+            return admin.engine_stats(self.engine_urls[engine_id]).model_dump()
 
 
 @contextlib.contextmanager

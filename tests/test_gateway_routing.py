@@ -14,28 +14,23 @@ import httpx
 import pytest
 
 from engines.model.tokenizer import save_tokenizer
+from engines.net import free_port
 from tests.test_gateway_fixtures import (
     ENGINE_TOKEN,
     TEXT_SCRIPT_TOKENS,
-    free_port,
     gateway_stack,
     kill,
-    one_cpu_thread,
     scripted_model,
     scripts,
     tokenizer,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def model():
     return scripted_model(tokenizer())
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_cpu_thread():
-        yield
 
 
 def chat(client, messages, **kwargs):
@@ -71,17 +66,19 @@ def test_drain_moves_idle_and_in_flight_sessions_with_their_kv(tmp_path, model):
         idle_messages = [{"role": "user", "content": "Wait."}]
         chat(busy, busy_messages)
         chat(idle, idle_messages)
-        added = stack.admin("POST", "/admin/engines", json={"url": stack.engine_urls["B"]}).json()
-        assert added["engine_id"] == "B"  # the engine's own id, read from its /admin/stats
+        with stack.typed_admin() as admin:
+            added = admin.add_engine(stack.engine_urls["B"])
+        assert added.engine_id == "B"  # the engine's own id, read from its /admin/stats
         engine_a = stack.engines["A"]
         slow_down(engine_a, 0.02)
         call = pool.submit(chat, busy, busy_messages)
         wait_until(lambda: engine_a.running and len(engine_a.running[0].output_ids) >= 5)
-        report = stack.admin("POST", "/admin/engines/A/drain").json()
+        with stack.typed_admin() as admin:
+            report = admin.drain("A")
         reply = call.result(timeout=60)  # a normal answer: the harness never saw the move
 
-        assert report["sessions"] == 2 and report["moved_with_kv"] == 2 and report["moved_mid_request"] == 1
-        assert report["failed"] == [] and report["state"] == "draining"
+        assert report.sessions == 2 and report.moved_with_kv == 2 and report.moved_mid_request == 1
+        assert report.failed == [] and report.state == "draining"
         assert (
             reply.choices[0].finish_reason == "stop"
             and reply.usage.completion_tokens == TEXT_SCRIPT_TOKENS + 1
@@ -110,12 +107,9 @@ def test_drain_moves_idle_and_in_flight_sessions_with_their_kv(tmp_path, model):
             new_tokens += row["prompt_len"] - (len(before) - 1)  # the last sampled token was never fed
         fresh_prompt = stack.calls("fresh")[0][0]["prompt_len"]
         assert stack.engine_stats("B")["prefilled_tokens"] == new_tokens + fresh_prompt
-        stats = stack.admin("GET", "/admin/stats").json()
-        assert (
-            stats["sessions_migrated"] == 2
-            and stats["requests_migrated"] == 1
-            and stats["migrated_calls"] == 1
-        )
+        with stack.typed_admin() as admin:
+            stats = admin.gateway_stats()
+        assert stats.sessions_migrated == 2 and stats.requests_migrated == 1 and stats.migrated_calls == 1
 
 
 def test_a_dead_engine_calls_re_run_from_the_exact_prompt_elsewhere(tmp_path, model):
@@ -141,10 +135,11 @@ def test_a_dead_engine_calls_re_run_from_the_exact_prompt_elsewhere(tmp_path, mo
         assert [row["engine_id"] for row, _ in calls] == ["A", "B", "B"]
         (_, first_seq), (row, second_seq) = calls[0], calls[1]
         assert second_seq[: len(first_seq)] == first_seq  # the recorded context, token for token
-        stats = stack.admin("GET", "/admin/stats").json()
-        assert stats["engine_deaths"] == 1 and stats["rerouted_calls"] == 1
-        assert stats["recomputed_tokens"] == gyre["recomputed_tokens"]
-        assert {e["engine_id"]: e["state"] for e in stats["engines"]} == {"A": "dead", "B": "active"}
+        with stack.typed_admin() as admin:
+            stats = admin.gateway_stats()
+        assert stats.engine_deaths == 1 and stats.rerouted_calls == 1
+        assert stats.recomputed_tokens == gyre["recomputed_tokens"]
+        assert {e.engine_id: e.state for e in stats.engines} == {"A": "dead", "B": "active"}
         assert stack.engine_stats("B")["prefilled_tokens"] >= row["prompt_len"]
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.model.tokenizer import save_tokenizer
-from engines.ports import free_port
-from environments.dispatch import GatewayAdmin
+from engines.net import free_port
+from environments.gateway_admin import GatewayAdmin
 from tasks.services.stack import serving_process
 from tests.scripted_engine import scripted_engine_app
 from tests.test_gateway_fixtures import ADMIN_TOKEN, ENGINE_TOKEN, serving, tokenizer

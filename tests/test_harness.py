@@ -14,7 +14,8 @@ import openai
 import pyarrow.compute as pc
 import pytest
 
-from environments.dispatch import DispatchConfig, DurationProfile, dispatch
+from environments.dispatch import dispatch
+from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import Harness, HarnessConfig
 from environments.problems import Problem, grade_workspace
 from environments.problems.checks import compile_check
@@ -329,7 +330,7 @@ def test_gyre_rollout_prints_status_reward_and_branches_of_each_execution(tmp_pa
 
 
 def test_an_external_harness_is_recorded_by_its_program():
-    from environments.dispatch import harness_name
+    from environments.runner import harness_name
 
     assert harness_name(None) == "builtin"
     assert harness_name(["/opt/venv/bin/my-agent", "--base-url", "x"]) == "my-agent"

@@ -114,12 +114,6 @@ def tokenizer(tiny):
     return AutoTokenizer.from_pretrained(tiny, local_files_only=True)
 
 
-@pytest.fixture
-def cli_env(monkeypatch, tmp_path):
-    monkeypatch.delenv("GYRE_DATA_ROOT", raising=False)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-
-
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

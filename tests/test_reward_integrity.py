@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from environments.dispatch import DispatchConfig, dispatch
+from environments.dispatch import dispatch
+from environments.dispatch_config import DispatchConfig
 from environments.problems import Problem, apply_solution, generate, grade_workspace, write_workspace
 from environments.problems.grading import run_grade_command
 from environments.sandbox import Sandbox

@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams
-from tests.test_rollout_fixtures import VOCAB, one_cpu_thread, perturbed_state, tiny_policy
+from tests.test_rollout_fixtures import VOCAB, perturbed_state, tiny_policy
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_cpu_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ thread (a 32-wide model is fastest single-threaded; on a busy 2-core host, two t
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -11,23 +12,25 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 VOCAB = 64
 
 
+def tiny_qwen2(
+    vocab: int = VOCAB, max_positions: int = 1024, attn: str = "sdpa", **config: Any
+) -> Qwen2ForCausalLM:
+    """The tests' model shape: a 2-layer, 32-wide Qwen2 with tied embeddings, in float32, initialised
+    from torch's current seed; ``config``: other Qwen2Config fields, or these ones changed."""
+    shape = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    shape |= {"intermediate_size": 64, "tie_word_embeddings": True, **config}
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=vocab, max_position_embeddings=max_positions, attn_implementation=attn, **shape
+        )
+    ).float()
+
+
 def tiny_policy(seed: int = 0, max_positions: int = 1024, attn: str = "sdpa") -> Qwen2ForCausalLM:
-    """tests/train_fixtures.tiny_model's shape, with a wider init so greedy outputs are not one token
-    repeated (the default 0.02 init makes the model nearly uniform)."""
+    """tiny_qwen2 with a wider init, so greedy outputs are not one token repeated (the default 0.02 init
+    makes the model nearly uniform)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        attn_implementation=attn,
-    )
-    return Qwen2ForCausalLM(config).float().eval()
+    return tiny_qwen2(VOCAB, max_positions, attn, initializer_range=0.3).eval()
 
 
 def perturbed_state(model: torch.nn.Module, seed: int, scale: float = 0.2) -> dict[str, torch.Tensor]:

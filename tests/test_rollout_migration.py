@@ -4,23 +4,19 @@ engine prefills none of the migrated context. In one process, and across two pro
 from __future__ import annotations
 
 import multiprocessing
-import socket
 
 import pytest
 import torch
 
+from engines.net import free_port
 from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams, ShmTransport
 from engines.rollout.migration import GlooTransport, TorchIpcHandle, TorchIpcTransport, pack, unpack
-from tests.test_rollout_fixtures import VOCAB, one_cpu_thread, tiny_policy
+from tests.test_rollout_fixtures import VOCAB, tiny_policy
 
 K = 7  # tokens produced on engine A before the move
 SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=25)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_cpu_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def request(rid: str = "m") -> GenerateRequest:
@@ -123,19 +119,13 @@ def _engine_b(model_dir: str, port: int, handles, results) -> None:
         results.put((out.output_ids, out.output_logprobs, stats.prefilled_tokens, stats.migrations_in))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_migration_across_two_processes_over_shm_then_gloo(tmp_path):
     model = tiny_policy()
     model.save_pretrained(tmp_path / "hf")
     unmigrated = RolloutEngine(model, EngineConfig()).generate([request()])[0]
     context = multiprocessing.get_context("spawn")
     handles, results = context.Queue(), context.Queue()
-    port = _free_port()
+    port = free_port()
     child = context.Process(target=_engine_b, args=(str(tmp_path / "hf"), port, handles, results))
     child.start()
     try:

@@ -9,19 +9,30 @@ import httpx
 import pytest
 from safetensors.torch import save_file
 
+from engines.admin import (
+    ENGINE_SLEEP,
+    ENGINE_STATS,
+    EXPORT_SESSION,
+    IMPORT_SESSION,
+    AdminClient,
+    AdminError,
+    EngineStatsReport,
+    SleepState,
+)
 from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams, ShmTransport
 from engines.rollout.server import create_app
 from tests.test_gateway_fixtures import serving as serve_app
-from tests.test_rollout_fixtures import one_cpu_thread, perturbed_state, tiny_policy
+from tests.test_rollout_fixtures import perturbed_state, tiny_policy
 
 TOKEN = "s3cret-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_cpu_thread():
-        yield
+
+def engine_stats(url: str) -> EngineStatsReport:
+    with AdminClient(engine_token=TOKEN) as admin:
+        return admin.engine_stats(url)
 
 
 @contextlib.contextmanager
@@ -72,9 +83,9 @@ def test_completions_shape_and_concurrent_requests_are_batched(server):
         "total_tokens": 45,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
-    stats = httpx.get(f"{server}/admin/stats", headers=ADMIN).json()
-    assert stats["max_running"] > 1  # concurrent HTTP requests shared decode forwards
-    assert stats["decoded_tokens"] == 240 and stats["decode_steps"] < 240
+    stats = engine_stats(server)
+    assert stats.max_running > 1  # concurrent HTTP requests shared decode forwards
+    assert stats.decoded_tokens == 240 and stats.decode_steps < 240
 
 
 def test_session_id_reuses_the_prefix_cache_and_lists_of_prompts(server):
@@ -107,43 +118,45 @@ def test_bad_requests_get_400(server):
 
 def test_admin_refuses_a_missing_or_wrong_token(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
-        assert httpx.get(f"{server}/admin/stats", headers=headers).status_code == 401
-        assert httpx.post(f"{server}/admin/sleep", headers=headers).status_code == 401
-    assert httpx.get(f"{server}/admin/stats", headers=ADMIN).status_code == 200
+        assert httpx.get(ENGINE_STATS.url(server), headers=headers).status_code == 401
+        assert httpx.post(ENGINE_SLEEP.url(server), headers=headers).status_code == 401
+    assert httpx.get(ENGINE_STATS.url(server), headers=ADMIN).status_code == 200
+    with AdminClient(engine_token="wrong") as admin, pytest.raises(AdminError) as refused:
+        admin.sleep(server)
+    assert refused.value.status == 401
 
 
 def test_admin_weights_sleep_wake(server, model, tmp_path):
     path = tmp_path / "policy-v3.safetensors"
     state = {k: v.contiguous() for k, v in perturbed_state(model, seed=4).items() if k != "lm_head.weight"}
     save_file(state, path, metadata={"version": "3"})
-    response = httpx.post(f"{server}/admin/weights", headers=ADMIN, json={"path": str(path)})
-    assert response.status_code == 200 and response.json()["policy_version"] == 3
-    out = httpx.post(f"{server}/v1/completions", json=completion([3, 1, 4], session_id="w")).json()
-    assert out["choices"][0]["gyre"]["policy_versions"] == [3] * 8
-    assert httpx.post(f"{server}/admin/sleep", headers=ADMIN).json()["asleep"] is True
-    response = httpx.post(f"{server}/admin/wake", headers=ADMIN, json={"path": str(path), "version": 5})
-    assert response.json() == {"asleep": False, "policy_version": 5}
-    again = httpx.post(f"{server}/v1/completions", json=completion([3, 1, 4], session_id="w2")).json()
-    assert again["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
-    stats = httpx.get(f"{server}/admin/stats", headers=ADMIN).json()
-    assert stats["weight_updates"] == 1 and stats["policy_version"] == 5
+    with AdminClient(engine_token=TOKEN) as admin:
+        assert admin.load_weights(server, str(path)).policy_version == 3  # the file's version
+        out = httpx.post(f"{server}/v1/completions", json=completion([3, 1, 4], session_id="w")).json()
+        assert out["choices"][0]["gyre"]["policy_versions"] == [3] * 8
+        assert admin.sleep(server).asleep is True
+        assert admin.wake(server, str(path), 5) == SleepState(asleep=False, policy_version=5)
+        again = httpx.post(f"{server}/v1/completions", json=completion([3, 1, 4], session_id="w2")).json()
+        assert again["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
+        stats = admin.engine_stats(server)
+    assert stats.weight_updates == 1 and stats.policy_version == 5 and stats.weights_path == str(path)
 
 
 def test_export_import_between_two_servers(server, model):
     prompt = [2, 7, 1, 8, 2, 8, 1, 8]
     first = httpx.post(f"{server}/v1/completions", json=completion(prompt, session_id="mv")).json()
-    handle = httpx.post(f"{server}/admin/export_session", headers=ADMIN, json={"session_id": "mv"}).json()
+    handle = httpx.post(EXPORT_SESSION.url(server), headers=ADMIN, json={"session_id": "mv"}).json()
     assert handle["kind"] == "shm" and handle["session_id"] == "mv"
     with serving(RolloutEngine(model, EngineConfig(engine_id="B"))) as other:
-        imported = httpx.post(f"{other}/admin/import_session", headers=ADMIN, json={"handle": handle})
+        imported = httpx.post(IMPORT_SESSION.url(other), headers=ADMIN, json={"handle": handle})
         assert imported.json() == {"session_id": "mv", "request_id": None}
         turn2 = prompt + first["choices"][0]["token_ids"] + [4]
         out = httpx.post(f"{other}/v1/completions", json=completion(turn2, session_id="mv")).json()
         assert out["choices"][0]["gyre"]["prefilled_tokens"] == 2  # the last output token + the new one
         assert out["choices"][0]["gyre"]["engine_id"] == "B"
-        stats = httpx.get(f"{other}/admin/stats", headers=ADMIN).json()
-        assert stats["migrations_in"] == 1 and stats["prefilled_tokens"] == 2
-    missing = httpx.post(f"{server}/admin/export_session", headers=ADMIN, json={"session_id": "mv"})
+        stats = engine_stats(other)
+        assert stats.migrations_in == 1 and stats.prefilled_tokens == 2
+    missing = httpx.post(EXPORT_SESSION.url(server), headers=ADMIN, json={"session_id": "mv"})
     assert missing.status_code == 404
 
 
@@ -171,11 +184,11 @@ def test_request_in_flight_moves_to_another_server(model):
                     handle = ShmTransport().send(a.export_session("live"))
                 partial = (await call).json()
                 body = {"handle": handle.model_dump(), "wait": True}
-                finished = await client.post(f"{b_url}/admin/import_session", headers=ADMIN, json=body)
+                finished = await client.post(IMPORT_SESSION.url(b_url), headers=ADMIN, json=body)
                 return partial, finished.json()
 
         partial, finished = asyncio.run(move())
-        b_stats = httpx.get(f"{b_url}/admin/stats", headers=ADMIN).json()
+        b_stats = engine_stats(b_url).model_dump()
     moved = partial["choices"][0]["token_ids"]
     assert partial["choices"][0]["finish_reason"] == "migrated" and len(moved) == 5
     choice = finished["choices"][0]

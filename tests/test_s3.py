@@ -68,14 +68,6 @@ def test_s3_export_round_trip_is_exact(sample_on_s3_and_local, tmp_path):
     assert_same_records(original, read_jsonl(out))
 
 
-@pytest.fixture
-def cli_env(monkeypatch, tmp_path):
-    """The CLI reads defaults from the environment and sets PREFECT_HOME: keep both inside the test."""
-    monkeypatch.delenv("GYRE_DATA_ROOT", raising=False)
-    monkeypatch.delenv("GYRE_CAMPAIGN", raising=False)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-
-
 def test_cli_import_and_sql_on_s3(s3_bucket, cli_env, capsys):
     from cli.main import main
 

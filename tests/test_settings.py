@@ -130,7 +130,7 @@ def test_a_config_round_trips_through_json_unchanged(tmp_path):
 
 ENV_READ = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[[^\]]+\](?!\s*=)")
 # reads that build a child process's environment (the sandbox's PATH), not configuration
-CHILD_ENV = {"environments/dispatch.py", "environments/problems/problem.py"}
+CHILD_ENV = {"environments/runner.py", "environments/problems/problem.py"}
 
 
 def test_the_environment_is_read_only_in_the_settings_modules():

@@ -262,13 +262,6 @@ def test_snapshots_on_s3(s3_bucket, tmp_path):
 
 
 # -- `gyre snapshot` and `gyre sql` ------------------------------------------------------------------
-@pytest.fixture
-def cli_env(monkeypatch, tmp_path):
-    monkeypatch.delenv("GYRE_DATA_ROOT", raising=False)
-    monkeypatch.delenv("GYRE_CAMPAIGN", raising=False)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-
-
 def test_cli_exports_restores_and_queries_snapshots(tmp_path, cli_env, capsys):
     store = Store(StoreConfig(data_root=str(tmp_path / "data"), campaign="c"))
     uris = group_of_timeouts(tmp_path, store)

@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engines.model.weights import load_model
-from engines.train.config import LossConfig, TrainerConfig
+from engines.train.config import LossConfig
 from engines.train.core import CoreTrainer
-from engines.train.elastic import ElasticConfig, ElasticCoordinator, run_satellite
-from engines.train.satellite import satellite_main
+from engines.train.elastic import ElasticCoordinator
+from engines.train.elastic_protocol import ElasticConfig
+from engines.train.satellite import run_satellite, satellite_main
 from engines.train.stream import (
     StepClosed,
     StreamProducer,
@@ -42,22 +42,19 @@ from engines.train.stream import (
     write_chunk,
 )
 from engines.train.worker import GradWorker
-from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
+from tests.train_fixtures import (
+    chunks_by_execution,
+    load_float32,
+    packed_batch,
+    perturb_behaviour,
+    reference_step,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.slow
 
 LULL_S = 1.5
 BEFORE_LULL = 4  # chunks that arrive before the lull
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread here and in every satellite: a micro-batch's gradient is then bitwise the
-    same wherever it is computed (as in tests/test_elastic.py)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")
@@ -74,32 +71,8 @@ def setup(tmp_path_factory, one_thread):
     assert len(chunks) > BEFORE_LULL + 2 and sum(c["n_executions"] for c in chunks) == len(batch.advantages)
     weights_dir = str(root / "fast")
     os.makedirs(weights_dir)
-    config = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)
-    # the reference: the non-streaming step over the whole batch, one process
-    reference = CoreTrainer(_load(model_dir), config)
-    coordinator = ElasticCoordinator(reference)
     uri = write_chunk(batch.sequences, str(root / "batch.parquet"))
-    report = coordinator.run_step(
-        0, batch.sequences, len(batch.advantages), batch_uri=uri, weights_dir=weights_dir
-    )
-    coordinator.close()
-    initial = {k: v.detach().clone() for k, v in _load(model_dir).state_dict().items()}
-    return {
-        "root": root,
-        "model_dir": model_dir,
-        "batch": batch,
-        "chunks": chunks,
-        "weights_dir": weights_dir,
-        "config": config,
-        "reference": reference.weights(),
-        "reference_grad": reference.last_grad.clone(),
-        "reference_report": report,
-        "initial": initial,
-    }
-
-
-def _load(model_dir: str) -> torch.nn.Module:
-    return load_model(model_dir, dtype=torch.float32)
+    return {"root": root, "chunks": chunks, **reference_step(model_dir, batch, uri, weights_dir)}
 
 
 def _update_diff(weights, reference, initial) -> float:
@@ -146,7 +119,7 @@ class _Producer(threading.Thread):
 
 def _stream(setup, satellites: list[dict], *, pace_s: float = 0.0, on_lull=None, config=None):
     """One streaming step of a fresh core with ``satellites`` (satellite_main kwargs) as processes."""
-    core = CoreTrainer(_load(setup["model_dir"]), setup["config"])
+    core = CoreTrainer(load_float32(setup["model_dir"]), setup["config"])
     coordinator = ElasticCoordinator(core, config=config)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -251,10 +224,10 @@ def test_a_satellite_dying_mid_stream_loses_nothing(setup, alone):
 def test_a_stalled_satellite_is_evicted_and_its_late_word_ignored(setup, alone):
     """A satellite alive but silent (its heartbeat every 30 s, the core's patience 0.5 s) is evicted
     mid-stream: it stops when it sees so, and only the core's recomputation of its work counts."""
-    core = CoreTrainer(_load(setup["model_dir"]), setup["config"])
+    core = CoreTrainer(load_float32(setup["model_dir"]), setup["config"])
     coordinator = ElasticCoordinator(core, config=ElasticConfig(dead_after_s=0.5))
     step = coordinator.open_step(0, weights_dir=setup["weights_dir"])
-    worker = GradWorker(_load(setup["model_dir"]), LossConfig())
+    worker = GradWorker(load_float32(setup["model_dir"]), LossConfig())
     outcome = {}
 
     def satellite() -> None:
@@ -305,7 +278,7 @@ def test_satellites_leaving_mid_stream_hand_their_work_over(setup, alone):
 
 def test_the_deadline_closes_the_step_with_what_has_arrived(setup):
     chunks = setup["chunks"]
-    core = CoreTrainer(_load(setup["model_dir"]), setup["config"])
+    core = CoreTrainer(load_float32(setup["model_dir"]), setup["config"])
     coordinator = ElasticCoordinator(core)
     step = coordinator.open_step(0, weights_dir=setup["weights_dir"], deadline_s=1.0)
     # three executions arrive in time (3: no power of two, whose division would be exact), one late
@@ -321,7 +294,7 @@ def test_the_deadline_closes_the_step_with_what_has_arrived(setup):
     assert report.closed_by == "deadline" and report.micro_batches == arrived
     assert report.n_executions == n_executions and 1.0 <= report.timings["closed_after"] < 2.0
     # the same micro-batches and normalizer as a whole-batch step
-    reference = CoreTrainer(_load(setup["model_dir"]), setup["config"])
+    reference = CoreTrainer(load_float32(setup["model_dir"]), setup["config"])
     ref_coordinator = ElasticCoordinator(reference)
     sequences = setup["batch"].sequences[:arrived]
     uri = write_chunk(sequences, str(setup["root"] / "arrived.parquet"))
@@ -335,10 +308,10 @@ def test_the_deadline_closes_the_step_with_what_has_arrived(setup):
 
 def test_a_step_closed_empty_makes_a_version_without_an_update(setup):
     """As engines/train/run.py does for an empty batch; a satellite waiting in it goes home."""
-    core = CoreTrainer(_load(setup["model_dir"]), setup["config"])
+    core = CoreTrainer(load_float32(setup["model_dir"]), setup["config"])
     coordinator = ElasticCoordinator(core)
     step = coordinator.open_step(0, weights_dir=setup["weights_dir"])
-    worker = GradWorker(_load(setup["model_dir"]), LossConfig())
+    worker = GradWorker(load_float32(setup["model_dir"]), LossConfig())
     outcome = {}
 
     def satellite() -> None:
@@ -421,9 +394,9 @@ def test_concurrent_claims_take_each_arrived_micro_batch_once():
 
 
 def test_an_idle_participant_looks_less_often_until_work_arrives():
-    from engines.train.elastic import _Idle
+    from engines.train.elastic_protocol import Idle
 
-    idle = _Idle(ElasticConfig(poll_s=0.001, idle_max_s=0.004))
+    idle = Idle(ElasticConfig(poll_s=0.001, idle_max_s=0.004))
     waits = []
     for _ in range(4):
         waits.append(idle.next)
@@ -431,4 +404,4 @@ def test_an_idle_participant_looks_less_often_until_work_arrives():
     assert waits == [0.001, 0.002, 0.004, 0.004]  # doubling, capped
     idle.busy()
     assert idle.next == 0.001  # work arrived: look again soon
-    assert _Idle(ElasticConfig(poll_s=0.02, idle_max_s=0.01)).most == 0.02  # never below the first wait
+    assert Idle(ElasticConfig(poll_s=0.02, idle_max_s=0.01)).most == 0.02  # never below the first wait

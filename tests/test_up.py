@@ -66,7 +66,7 @@ def test_a_service_that_dies_is_started_again_where_it_was_and_its_engine_taken_
     from prefect.settings import PREFECT_API_URL
     from pydantic import SecretStr
 
-    from environments.dispatch import GatewayAdmin
+    from environments.gateway_admin import GatewayAdmin
     from tasks.services.campaign import Services, readd_dead_engines, serve_version
     from tasks.services.up import revivals, revive
 

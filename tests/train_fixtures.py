@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from engines.model.weights import load_model
+from engines.train.config import TrainerConfig
+from engines.train.core import CoreTrainer
+from engines.train.elastic import ElasticCoordinator
+from tests.test_rollout_fixtures import tiny_qwen2
 from tests.trees import random_execution
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
@@ -20,20 +27,9 @@ VOCAB = 64
 def tiny_model(
     seed: int = 0, attn: str = "sdpa", *, vocab: int = VOCAB, max_positions: int = 512
 ) -> Qwen2ForCausalLM:
-    """A 2-layer, 32-wide Qwen2 with tied embeddings, seeded: the training tests' policy."""
+    """tests/test_rollout_fixtures.tiny_qwen2, seeded: the training tests' policy."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        attn_implementation=attn,
-    )
-    return Qwen2ForCausalLM(config).float()
+    return tiny_qwen2(vocab, max_positions, attn)
 
 
 def packed_batch(
@@ -92,3 +88,35 @@ def chunks_by_execution(batch: PackedBatch, executions_per_chunk: int = 2) -> li
     missing = len(batch.advantages) - len(seen)  # executions without a sequence still count
     chunks[0] = (chunks[0][0], chunks[0][1] + missing)
     return chunks
+
+
+TRAINER = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)
+"""The elastic tests' optimizer settings."""
+
+
+def load_float32(model_dir: str) -> torch.nn.Module:
+    return load_model(model_dir, dtype=torch.float32)
+
+
+def reference_step(model_dir: str, batch: PackedBatch, batch_uri: str, weights_dir: str) -> dict[str, Any]:
+    """What the elastic tests compare with, as their setup's entries: the trainer config, the initial
+    weights, and the non-streaming step over the whole batch on the core alone (its weights, gradient
+    and report after the step), with the folders it used."""
+    initial = {k: v.detach().clone() for k, v in load_float32(model_dir).state_dict().items()}
+    core = CoreTrainer(load_float32(model_dir), TRAINER)
+    coordinator = ElasticCoordinator(core)
+    n_executions = len(batch.advantages)
+    report = coordinator.run_step(
+        0, batch.sequences, n_executions, batch_uri=batch_uri, weights_dir=weights_dir
+    )
+    coordinator.close()
+    return {
+        "model_dir": model_dir,
+        "batch": batch,
+        "weights_dir": weights_dir,
+        "config": TRAINER,
+        "initial": initial,
+        "reference": core.weights(),
+        "reference_grad": core.last_grad.clone(),
+        "reference_report": report,
+    }

@@ -29,9 +29,7 @@ class SelectionConfig(BaseModel):
     @field_validator("role_priority")
     @classmethod
     def _known_roles(cls, roles: list[str]) -> list[str]:
-        unknown = [r for r in roles if r not in ROLES]
-        if unknown:
-            raise ValueError(f"unknown roles {unknown}; expected some of {list(ROLES)}")
+        _only(roles, ROLES, "roles")
         if len(set(roles)) != len(roles):
             raise ValueError(f"role_priority lists a role twice: {roles}")
         return roles
@@ -39,9 +37,7 @@ class SelectionConfig(BaseModel):
     @field_validator("trainable_statuses")
     @classmethod
     def _known_statuses(cls, statuses: list[str]) -> list[str]:
-        unknown = [s for s in statuses if s not in STATUSES]
-        if unknown:
-            raise ValueError(f"unknown statuses {unknown}; expected some of {list(STATUSES)}")
+        _only(statuses, STATUSES, "statuses")
         if "eval_failed" in statuses:
             raise ValueError("eval_failed executions have no trustworthy reward and are never trained on")
         if "abandoned" in statuses:
@@ -68,3 +64,9 @@ class PackingConfig(BaseModel):
         "(the system prompt and tools; a group's whole first prompt) is attached to that run's tokens "
         "instead of repeating them: the same targets, logprobs and gradients, fewer tokens to compute",
     )
+
+
+def _only(values: list[str], known: tuple[str, ...], what: str) -> None:
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; expected some of {list(known)}")

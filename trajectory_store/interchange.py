@@ -29,7 +29,14 @@ import pyarrow as pa
 
 from trajectory_store.parts import bare_connection, naming_bad_parts
 from trajectory_store.recorder import Recorder
-from trajectory_store.schema import SCHEMAS, CallRecord, ExecutionRecord, RecordError, context_hash
+from trajectory_store.schema import (
+    EXECUTION_RECORD_FIELDS,
+    SCHEMAS,
+    CallRecord,
+    ExecutionRecord,
+    RecordError,
+    context_hash,
+)
 from trajectory_store.storage import Store
 
 MAX_LINE_BYTES = 1 << 30  # a single record above 1 GiB is refused rather than parsed
@@ -139,18 +146,6 @@ _CALL_FIELDS = (
     "migrated",
     "t_start",
     "t_end",
-)
-_EXECUTION_FIELDS = (
-    "problem_id",
-    "group_id",
-    "harness",
-    "status",
-    "reward",
-    "reward_source",
-    "snapshot_uri",
-    "started_at",
-    "ended_at",
-    "n_calls",
 )
 
 
@@ -264,7 +259,7 @@ class StoredExecutions:
         if record.execution_id not in self.ids:
             return False
         rows = self.stored_rows(record.execution_id)
-        given = {name: getattr(record, name) for name in _EXECUTION_FIELDS}
+        given = {name: getattr(record, name) for name in EXECUTION_RECORD_FIELDS}
         given["step"] = step
         if record.n_calls is None:
             del given["n_calls"]  # the recorder counts the calls it saw; the calls are checked one by one

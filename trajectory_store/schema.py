@@ -218,6 +218,12 @@ class ExecutionRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+EXECUTION_RECORD_FIELDS = tuple(
+    f for f in ExecutionRecord.__dataclass_fields__ if f not in ("execution_id", "extra")
+)
+"""What an execution record says about its execution (its id and the unknown keys aside)."""
+
+
 def _require(record: dict, name: str, execution_id: Any, call_id: Any = None) -> Any:
     if name not in record or record[name] is None:
         raise RecordError("missing required field", execution_id=execution_id, call_id=call_id, field=name)
@@ -401,21 +407,7 @@ def validate_execution(record: dict) -> ExecutionRecord:
     n_calls = record.get("n_calls")
     if n_calls is not None and (isinstance(n_calls, bool) or not isinstance(n_calls, int) or n_calls < 0):
         raise RecordError("must be a non-negative integer", execution_id=execution_id, field="n_calls")
-    known = {
-        "type",
-        "execution_id",
-        "status",
-        "problem_id",
-        "group_id",
-        "harness",
-        "reward",
-        "reward_source",
-        "snapshot_uri",
-        "started_at",
-        "ended_at",
-        "n_calls",
-        "step",
-    }
+    known = {"type", "execution_id", "step", *EXECUTION_RECORD_FIELDS}
     return ExecutionRecord(
         execution_id=execution_id,
         status=status,

@@ -211,18 +211,21 @@ class Store:
         return rel
 
     def manifests(self) -> list[dict[str, Any]]:
-        base = self.path("manifests")
-        if not self.fs.exists(base):
-            return []
         found = []
-        for path in sorted(self.fs.find(base)):
-            if not path.endswith(".json"):
-                continue  # a temporary file left by a crash is not a manifest
+        for path in self.files_under("manifests", ".json"):  # a temporary file left by a crash is not one
             try:
                 found.append(json.loads(self.read_bytes(path)))
             except ValueError as error:
                 raise StoreError(f"{self.url(path)}: manifest is not valid JSON ({error})") from None
         return found
+
+    def files_under(self, folder: str, suffix: str) -> list[str]:
+        """Paths (full, sorted) of the files under ``folder`` of the campaign whose name ends with
+        ``suffix``; none when the folder does not exist."""
+        base = self.path(folder)
+        if not self.fs.exists(base):
+            return []
+        return [path for path in sorted(self.fs.find(base)) if path.endswith(suffix)]
 
     def committed_parts(self, kind: str) -> list[str]:
         """Paths of every part a manifest lists, quarantined or not."""
@@ -279,23 +282,14 @@ class Store:
 
     def quarantined(self) -> list[dict[str, Any]]:
         """The quarantined records (not parts), each with its reason."""
-        base = self.path("quarantine")
-        if not self.fs.exists(base):
-            return []
         entries = []
-        for path in sorted(self.fs.find(base)):
-            if path.endswith(".jsonl"):
-                entries.extend(
-                    json.loads(line) for line in self.read_bytes(path).decode().splitlines() if line
-                )
+        for path in self.files_under("quarantine", ".jsonl"):
+            entries.extend(json.loads(line) for line in self.read_bytes(path).decode().splitlines() if line)
         return entries
 
     def quarantined_parts(self) -> list[dict[str, Any]]:
         """The parts moved aside (parts.quarantine_parts): part, kind, reason, moved_to, size."""
-        base = self.path(QUARANTINED_PARTS)
-        if not self.fs.exists(base):
-            return []
-        return [json.loads(self.read_bytes(p)) for p in sorted(self.fs.find(base)) if p.endswith(".json")]
+        return [json.loads(self.read_bytes(p)) for p in self.files_under(QUARANTINED_PARTS, ".json")]
 
     def move(self, src: str, dst: str) -> None:
         """Moves an object within the store: a rename locally; a copy, then a delete, elsewhere."""

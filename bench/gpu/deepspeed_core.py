@@ -68,7 +68,7 @@ def _deepspeed_steps(
     folder: str, steps: int, sequence: PackedSequence, n_executions: int, backend, seconds: float
 ) -> dict[str, Any]:
     """CoreTrainer (ZeRO-2, bf16): per step, its worker's micro-batch, apply, and the weight sync back."""
-    from engines.ports import free_port
+    from engines.net import free_port
     from engines.train.core import CoreTrainer
 
     deadline = time.monotonic() + seconds

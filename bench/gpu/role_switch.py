@@ -22,6 +22,7 @@ import torch
 from bench.engine_workload import device_clock
 from bench.gpu.plan import GOALS_S
 from bench.gpu.run import Run, free
+from engines.admin import DrainReport
 from engines.rollout.config import EngineConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.messages import GenerateRequest, SamplingParams
@@ -38,8 +39,8 @@ class DeviceEngine:
     ):
         self.engine, self.device, self.weights = engine, device, weights
 
-    def drain(self) -> dict[str, Any]:
-        return {"moved_with_kv": 0}  # no gateway: its sessions stay, their token histories kept
+    def drain(self) -> DrainReport:  # no gateway: its sessions stay, their token histories kept
+        return DrainReport(engine_id="device", state="draining")
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -47,19 +47,34 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engines.admin import (
+    ACTIVATE_ENGINE,
+    ADD_ENGINE,
+    DRAIN_ENGINE,
+    EXECUTION,
+    FINISH_EXECUTION,
+    GATEWAY_FLUSH,
+    GATEWAY_STATS,
+    REGISTER_EXECUTION,
+    AddEngine,
+    DrainReport,
+    EngineActivated,
+    EngineAdded,
+    FlushReport,
+    GatewayStatsReport,
+)
 from engines.gateway.errors import GatewayError, error_body
 from engines.gateway.protocol import (
-    ID_PATTERN,
-    AddEngine,
     ChatCompletionRequest,
     FinishExecution,
     RegisterExecution,
+    SamplingFields,
     TextCompletionRequest,
     call_role,
     chat_chunks,
@@ -68,6 +83,7 @@ from engines.gateway.protocol import (
 )
 from engines.gateway.registry import Execution
 from engines.gateway.service import Gateway
+from engines.protocol import ID_PATTERN
 from trajectory_store.schema import Role
 
 logger = logging.getLogger(__name__)
@@ -147,7 +163,7 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
             param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
             raise GatewayError(400, _describe(errors), param=param) from exc
 
-    def admin(request: Request) -> None:
+    async def admin(request: Request) -> None:
         token = gateway.config.admin_token
         if token is None:
             raise GatewayError(403, "the admin API is off: start the gateway with an admin token")
@@ -171,29 +187,30 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
         return execution, agent_id, call_role(role, agent_id)
 
     # OpenAI-compatible ------------------------------------------------------------------------------
-    async def chat(
-        request: Request, execution_id: str | None = None, agent_id: str | None = None
-    ) -> Response:
-        body = await read(request, ChatCompletionRequest)
-        execution, agent, role = caller(request, execution_id, agent_id, body)
-        completion, engine_s = await gateway.chat(execution, agent, role, body)
-        request.state.gyre_engine_s = engine_s
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(sse(chat_chunks(completion, include)))
-        return Response(orjson.dumps(completion), media_type="application/json")
+    def openai_route(
+        model: type[SamplingFields],
+        call: Callable[..., Awaitable[tuple[dict[str, Any], float]]],
+        chunks: Callable[[dict[str, Any], bool], list[dict[str, Any]]],
+    ) -> Callable[..., Awaitable[Response]]:
+        """The handler of one OpenAI endpoint: read ``model``, ``call`` the gateway, answer (or stream
+        the answer as ``chunks``)."""
 
-    async def completions(
-        request: Request, execution_id: str | None = None, agent_id: str | None = None
-    ) -> Response:
-        body = await read(request, TextCompletionRequest)
-        execution, agent, role = caller(request, execution_id, agent_id, body)
-        completion, engine_s = await gateway.complete(execution, agent, role, body)
-        request.state.gyre_engine_s = engine_s
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(sse(completion_chunks(completion, include)))
-        return Response(orjson.dumps(completion), media_type="application/json")
+        async def handle(
+            request: Request, execution_id: str | None = None, agent_id: str | None = None
+        ) -> Response:
+            body = await read(request, model)
+            execution, agent, role = caller(request, execution_id, agent_id, body)
+            completion, engine_s = await call(execution, agent, role, body)
+            request.state.gyre_engine_s = engine_s
+            if body.stream:
+                include = bool(body.stream_options and body.stream_options.include_usage)
+                return _stream(sse(chunks(completion, include)))
+            return Response(orjson.dumps(completion), media_type="application/json")
+
+        return handle
+
+    chat = openai_route(ChatCompletionRequest, gateway.chat, chat_chunks)
+    completions = openai_route(TextCompletionRequest, gateway.complete, completion_chunks)
 
     async def models(request: Request, execution_id: str | None = None, agent_id: str | None = None) -> dict:
         token = _bearer(request)
@@ -214,15 +231,16 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
     async def health() -> dict:
         return {}
 
-    # admin ------------------------------------------------------------------------------------------
-    @app.post("/admin/executions")
+    # admin: the execution API (environments/gateway_admin.py is its client) and engine management
+    # (engines/admin.py: the paths and the models); every route checks the admin token first
+    api = APIRouter(dependencies=[Depends(admin)])
+
+    @api.post(REGISTER_EXECUTION.path)
     async def register(request: Request) -> dict:
-        admin(request)
         return await gateway.register_execution(await read(request, RegisterExecution))
 
-    @app.get("/admin/executions/{execution_id}")
-    async def execution_info(request: Request, execution_id: str) -> dict:
-        admin(request)
+    @api.get(EXECUTION.path)
+    async def execution_info(execution_id: str) -> dict:
         execution = gateway.registry.get(execution_id)
         return {
             "execution_id": execution.execution_id,
@@ -234,37 +252,32 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
             },
         }
 
-    @app.post("/admin/executions/{execution_id}/finish")
+    @api.post(FINISH_EXECUTION.path)
     async def finish(request: Request, execution_id: str) -> dict:
-        admin(request)
         return await gateway.finish_execution(execution_id, await read(request, FinishExecution))
 
-    @app.post("/admin/engines")
-    async def add_engine(request: Request) -> dict:
-        admin(request)
+    @api.post(ADD_ENGINE.path)
+    async def add_engine(request: Request) -> EngineAdded:
         return await gateway.add_engine(await read(request, AddEngine))
 
-    @app.post("/admin/engines/{engine_id}/drain")
-    async def drain(request: Request, engine_id: str) -> dict:
-        admin(request)
+    @api.post(DRAIN_ENGINE.path)
+    async def drain(engine_id: str) -> DrainReport:
         return await gateway.router.drain(engine_id)
 
-    @app.post("/admin/engines/{engine_id}/activate")
-    async def activate(request: Request, engine_id: str) -> dict:
-        admin(request)
+    @api.post(ACTIVATE_ENGINE.path)
+    async def activate(engine_id: str) -> EngineActivated:
         gateway.router.activate(engine_id)
-        return {"engine_id": engine_id, "state": "active"}
+        return EngineActivated(engine_id=engine_id)
 
-    @app.get("/admin/stats")
-    async def stats(request: Request, samples: bool = False) -> dict:
-        admin(request)
+    @api.get(GATEWAY_STATS.path)
+    async def stats(samples: bool = False) -> GatewayStatsReport:
         return gateway.describe(samples=samples)
 
-    @app.post("/admin/flush")
-    async def flush(request: Request) -> dict:
-        admin(request)
+    @api.post(GATEWAY_FLUSH.path)
+    async def flush() -> FlushReport:
         return await gateway.flush()
 
+    app.include_router(api)
     return OverheadTimer(app, gateway)  # type: ignore[return-value]
 
 

@@ -157,8 +157,32 @@ class SessionContext:
         self.calls = 0
 
     def plan(self, messages: list[dict], tools: list[dict] | None) -> PromptPlan:
-        codec, renderer = self.codec, self.codec.renderer
         keys, hasher = chain_keys(messages, tools)
+        checkpoint, n, merged, text, rest = self._resume(messages, tools, keys)
+        base_ids = checkpoint.ids() if checkpoint is not None else []
+        new_ids = self.codec.encode(rest)
+        return PromptPlan(
+            prompt_ids=base_ids + new_ids,
+            messages=merged,
+            tools=tools,
+            keys=keys,
+            hasher=hasher,
+            text=text,
+            base=checkpoint,
+            reused_tokens=len(base_ids),
+            new_tokens=len(new_ids),
+            retokenized_assistant=sum(m.get("role") == "assistant" for m in messages[n:]),
+        )
+
+    def _resume(
+        self, messages: list[dict], tools: list[dict] | None, keys: list[bytes]
+    ) -> tuple[Checkpoint | None, int, list[dict], str | None, str]:
+        """Where the prompt starts from: the checkpoint of the longest prefix of ``messages`` it holds
+        (whose text continues at a token boundary), the number of messages it covers, the messages
+        merged after it, the whole rendered text (None when the renderer continued incrementally) and
+        the text left to tokenize; without such a checkpoint, (None, 0, the messages, their text, their
+        text)."""
+        codec, renderer = self.codec, self.codec.renderer
         for n in range(len(messages), 0, -1):
             checkpoint = self.checkpoints.get(keys[n])
             if checkpoint is None:
@@ -172,36 +196,10 @@ class SessionContext:
                 rest = text[checkpoint.text_len :]
                 if _digest(text[: checkpoint.text_len].encode()) != checkpoint.text_hash:
                     rest = None
-            if rest is None or not codec.starts_at_boundary(rest):
-                continue
-            base_ids = checkpoint.ids()
-            new_ids = codec.encode(rest)
-            return PromptPlan(
-                prompt_ids=base_ids + new_ids,
-                messages=merged,
-                tools=tools,
-                keys=keys,
-                hasher=hasher,
-                text=text,
-                base=checkpoint,
-                reused_tokens=len(base_ids),
-                new_tokens=len(new_ids),
-                retokenized_assistant=sum(m.get("role") == "assistant" for m in messages[n:]),
-            )
+            if rest is not None and codec.starts_at_boundary(rest):
+                return checkpoint, n, merged, text, rest
         text = renderer.render(messages, tools, generation=True)
-        ids = codec.encode(text)
-        return PromptPlan(
-            prompt_ids=ids,
-            messages=list(messages),
-            tools=tools,
-            keys=keys,
-            hasher=hasher,
-            text=text,
-            base=None,
-            reused_tokens=0,
-            new_tokens=len(ids),
-            retokenized_assistant=sum(m.get("role") == "assistant" for m in messages),
-        )
+        return None, 0, list(messages), text, text
 
     def commit(self, plan: PromptPlan, output_ids: list[int], assistant: dict | None) -> None:
         """Keeps the call's prompt checkpoint and, when ``assistant`` (the message returned to the

@@ -6,13 +6,15 @@ EngineRejected with status 502). Generation uses only the vLLM-compatible subset
 sampling fields, stop_token_ids, logprobs, return_tokens_as_token_ids + return_token_ids; read token_ids,
 token_logprobs, finish_reason, usage), plus session_id and request_id, which recent vLLM declares too.
 Our server's per-choice ``gyre`` extension (engine id, policy versions, prefilled tokens, migrated) is
-read when present. KV migration uses our admin endpoints (/admin/export_session, /admin/import_session):
-a vLLM engine can serve but not be drained with its KV (its sessions are then recomputed elsewhere).
+read when present. KV migration and the policy version use our admin endpoints (engines/admin.py:
+EXPORT_SESSION, IMPORT_SESSION, ENGINE_STATS, their models and their paths): a vLLM engine can serve
+but not be drained with its KV (its sessions are then recomputed elsewhere).
 
 Transport: generation goes through http.py's KeepAliveClient (one send per request, ~2 ms less per
-call than httpx, see there); admin calls go through httpx. Failure mapping: no connection, or a
-connection dropped mid-request -> EngineDown (the router marks the engine dead and re-runs the call
-elsewhere); a timeout or an error status -> EngineRejected.
+call than httpx, see there); admin calls go through httpx, built and parsed by the admin endpoints.
+Failure mapping: no connection, or a connection dropped mid-request -> EngineDown (the router marks the
+engine dead and re-runs the call elsewhere); a timeout, an error status or an answer that does not
+parse -> EngineRejected.
 """
 
 from __future__ import annotations
@@ -24,19 +26,24 @@ import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from engines.gateway.errors import EngineDown, EngineRejected
-from engines.gateway.http import KeepAliveClient
-from engines.protocol import (
-    EngineCompletion,
-    EngineCompletionRequest,
-    ModelList,
+from engines.admin import (
+    ENGINE_STATS,
+    EXPORT_SESSION,
+    IMPORT_SESSION,
+    AdminError,
+    Endpoint,
+    EngineStatsReport,
     SessionExport,
     SessionImport,
     SessionImported,
 )
+from engines.gateway.errors import EngineDown, EngineRejected
+from engines.gateway.http import KeepAliveClient
+from engines.protocol import EngineCompletion, EngineCompletionRequest, ModelList
 
 EngineState = Literal["active", "draining", "dead"]
 Parsed = TypeVar("Parsed", bound=BaseModel)
+Answer = TypeVar("Answer")
 _JSON = {"content-type": "application/json"}
 
 
@@ -80,16 +87,16 @@ class EngineClient:
         """Reads the served model and its limits (and, with an admin token, the policy version); returns
         the engine's own id: our engines give it in /v1/models (no token needed) and /admin/stats; a
         vLLM engine has none (None)."""
-        models = self._parse(ModelList, await self._request("GET", "/v1/models"))
+        models = self._parse(ModelList, await self._get("/v1/models"))
         own_id = None
         if models.data:
             self.model_name = models.data[0].id
             self.max_model_len = models.data[0].max_model_len
             own_id = models.data[0].engine_id
         if self.admin_token:
-            stats = await self._request("GET", "/admin/stats", admin=True)
-            self.policy_version = stats.get("policy_version")
-            own_id = own_id or stats.get("engine_id")
+            stats = await self.stats()
+            self.policy_version = stats.policy_version
+            own_id = own_id or stats.engine_id
         return own_id
 
     async def generate(self, request: EngineCompletionRequest) -> EngineCompletion:
@@ -111,9 +118,7 @@ class EngineClient:
     async def export_session(self, session_id: str) -> dict[str, Any] | None:
         """The session's KV handle, or None when this engine holds no such session."""
         try:
-            return await self._request(
-                "POST", "/admin/export_session", SessionExport(session_id=session_id), admin=True
-            )
+            return await self._admin(EXPORT_SESSION, SessionExport(session_id=session_id))
         except EngineRejected as exc:
             if exc.status == 404:
                 return None
@@ -123,45 +128,49 @@ class EngineClient:
         self, handle: dict[str, Any], *, wait: bool
     ) -> EngineCompletion | SessionImported:
         """The imported session; with wait=true and a request in flight, that request's completion."""
-        body = SessionImport(handle=handle, wait=wait)
-        answer = await self._request("POST", "/admin/import_session", body, admin=True)
-        return self._parse(EngineCompletion if "choices" in answer else SessionImported, answer)
+        return await self._admin(IMPORT_SESSION, SessionImport(handle=handle, wait=wait))
 
-    async def stats(self) -> dict[str, Any]:
-        return await self._request("GET", "/admin/stats", admin=True)
+    async def stats(self) -> EngineStatsReport:
+        return await self._admin(ENGINE_STATS)
 
     async def close(self) -> None:
         await self.fast.close()
         await self.client.aclose()
 
-    def _parse(self, model: type[Parsed], data: bytes | dict[str, Any]) -> Parsed:
+    def _parse(self, model: type[Parsed], data: bytes) -> Parsed:
         try:
-            if isinstance(data, bytes):
-                return model.model_validate_json(data)
-            return model.model_validate(data)
+            return model.model_validate_json(data)
         except ValidationError as exc:
-            raise EngineRejected(
-                self.engine_id, 502, f"its answer is not a valid {model.__name__}: {exc.errors()[:3]}"
-            ) from exc
+            raise self._invalid(model.__name__, exc) from exc
 
-    async def _request(
-        self, method: str, path: str, body: BaseModel | None = None, *, admin: bool = False
-    ) -> dict[str, Any]:
-        headers = dict(_JSON)
-        if admin:
-            if not self.admin_token:
-                raise EngineRejected(self.engine_id, 403, "no admin token configured for this engine")
-            headers["authorization"] = f"Bearer {self.admin_token}"
-        content = body.model_dump_json().encode() if body is not None else None
+    def _invalid(self, what: str, exc: ValidationError) -> EngineRejected:
+        return EngineRejected(self.engine_id, 502, f"its answer is not a valid {what}: {exc.errors()[:3]}")
+
+    async def _get(self, path: str) -> bytes:
+        """An unauthenticated GET (/v1/models): the body, once the status says it is an answer."""
+        response = await self._send(method="GET", url=path)
+        if response.status_code >= 400:
+            raise EngineRejected(self.engine_id, response.status_code, _message(response.content))
+        return response.content
+
+    async def _admin(self, endpoint: Endpoint[Answer], body: BaseModel | None = None) -> Answer:
+        if not self.admin_token:
+            raise EngineRejected(self.engine_id, 403, "no admin token configured for this engine")
+        response = await self._send(**endpoint.request("", self.admin_token, body))
         try:
-            response = await self.client.request(method, path, content=content, headers=headers)
+            return endpoint.read(response)
+        except AdminError as exc:
+            raise EngineRejected(self.engine_id, exc.status, _message(response.content)) from exc
+        except ValidationError as exc:
+            raise self._invalid(endpoint.path, exc) from exc
+
+    async def _send(self, **request: Any) -> httpx.Response:
+        try:
+            return await self.client.request(**request)
         except httpx.TimeoutException as exc:
             raise EngineRejected(self.engine_id, 504, f"timed out: {exc!r}") from exc
         except httpx.TransportError as exc:
             raise EngineDown(self.engine_id, repr(exc)) from exc
-        if response.status_code >= 400:
-            raise EngineRejected(self.engine_id, response.status_code, _message(response.content))
-        return orjson.loads(response.content)
 
 
 def _message(data: bytes) -> str:

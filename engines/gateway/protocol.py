@@ -3,7 +3,8 @@ vLLM does) and the response / stream-chunk builders.
 
     ChatCompletionRequest   POST .../v1/chat/completions
     TextCompletionRequest   POST .../v1/completions (prompt: text or token ids, one prompt per request)
-    RegisterExecution, FinishExecution, AddEngine   admin bodies; check_reward (finite, in REWARD_RANGE)
+    RegisterExecution, FinishExecution   the execution admin bodies; check_reward (finite, in REWARD_RANGE)
+                            (the engine-management admin bodies are engines/admin.py's)
     chat_completion, text_completion (+ assistant_message, usage, call_info, chat_logprobs,
     text_logprobs)          the answers; chat_chunks, completion_chunks, sse: the same as a stream
 
@@ -28,9 +29,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engines.gateway.errors import GatewayError
+from engines.protocol import ID_PATTERN
 from trajectory_store.schema import ROLES, RewardSource, Role, Status
 
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$"
 # who wrote a chat message (OpenAI's word); not the agent Role of a call (trajectory_store.schema)
 MessageRole = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -221,12 +222,6 @@ def check_reward(reward: float | None) -> None:
             param="reward",
             code="invalid_reward",
         )
-
-
-class AddEngine(_Lenient):
-    url: str
-    engine_id: str | None = Field(None, pattern=ID_PATTERN)
-    admin_token: str | None = None
 
 
 # responses --------------------------------------------------------------------------------------------

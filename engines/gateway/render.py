@@ -106,7 +106,7 @@ class ChatMLRenderer:
                     call = call["function"]
                 arguments = call.get("arguments")
                 arguments = arguments if isinstance(arguments, str) else _tojson(arguments)
-                out += '\n<tool_call>\n{"name": "' + _jinja_str(call.get("name")) + '", "arguments": '
+                out += '\n<tool_call>\n{"name": "' + str(call.get("name")) + '", "arguments": '
                 out += arguments + "}\n</tool_call>"
             return out + IM_END + "\n"
         if role == "tool":
@@ -127,7 +127,7 @@ def _content(content: Any) -> str:
     if content is None:
         return ""
     return "".join(
-        _jinja_str(part["text"]) if "text" in part else ""
+        str(part["text"]) if "text" in part else ""  # as Jinja prints a value (None, True: their names)
         for part in content
         if isinstance(part, dict) and part.get("type") == "text"
     )
@@ -135,14 +135,6 @@ def _content(content: Any) -> str:
 
 def _truthy(content: Any) -> bool:
     return bool(content)
-
-
-def _jinja_str(value: Any) -> str:
-    if value is None:
-        return "None"
-    if isinstance(value, bool):
-        return "True" if value else "False"
-    return str(value)
 
 
 def _tojson(value: Any) -> str:

@@ -23,16 +23,16 @@ normal response; the target prefills nothing of the migrated context.
 Engine death. A request whose connection fails (refused, dropped mid-request) marks the engine dead:
 all its sessions are unbound and flagged lost. The request, and later the next call of each lost
 session, is re-sent with its full recorded prompt to another engine; that engine's prefilled tokens
-that the session had already computed are counted as recomputed (RouterStats.recomputed_tokens).
+that the session had already computed are counted as recomputed (RouterCounters.recomputed_tokens).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
+from engines.admin import DrainReport, EngineView, RouterCounters
 from engines.gateway.config import EngineSpec
 from engines.gateway.engine_client import EngineClient
 from engines.gateway.errors import EngineDown, EngineRejected, GatewayError
@@ -66,30 +66,18 @@ class EngineResult:
     recomputed_tokens: int
 
 
-@dataclass
-class RouterStats:
-    rerouted_calls: int = 0
-    recomputed_tokens: int = 0
-    engine_deaths: int = 0
-    drains: int = 0
-    sessions_migrated: int = 0  # sessions whose KV moved
-    requests_migrated: int = 0  # of them, mid-request
-    sessions_rebound: int = 0  # moved without KV (the source held none for them)
-    migration_failures: int = 0
-
-
 def _consume(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()  # marks it retrieved: a migration nobody waited for is not an error
 
 
 class Router:
-    """Attributes: engines (id -> EngineClient), sessions (id -> SessionRoute), stats (RouterStats)."""
+    """Attributes: engines (id -> EngineClient), sessions (id -> SessionRoute), stats (RouterCounters)."""
 
     def __init__(self) -> None:
         self.engines: dict[str, EngineClient] = {}
         self.sessions: dict[str, SessionRoute] = {}
-        self.stats = RouterStats()
+        self.stats = RouterCounters()
 
     # engines and sessions ---------------------------------------------------------------------------
     async def connect(
@@ -262,7 +250,7 @@ class Router:
         raise GatewayError(503, f"every rollout engine failed this request: {'; '.join(failures)}")
 
     # drain ------------------------------------------------------------------------------------------
-    async def drain(self, engine_id: str) -> dict[str, Any]:
+    async def drain(self, engine_id: str) -> DrainReport:
         """Moves every session of the engine to other engines, with its KV and any request in flight."""
         source = self._engine(engine_id)
         if source.state == "dead":
@@ -277,16 +265,16 @@ class Router:
         errors = [
             f"{r.session_id}: {o}" for r, o in zip(routes, outcomes, strict=True) if isinstance(o, Exception)
         ]
-        return {
-            "engine_id": engine_id,
-            "state": source.state,
-            "sessions": len(routes),
-            "moved_with_kv": sum(o in ("kv", "request") for o in outcomes),
-            "moved_mid_request": sum(o == "request" for o in outcomes),
-            "rebound_without_kv": sum(o == "rebound" for o in outcomes),
-            "failed": errors,
-            "seconds": round(time.perf_counter() - start, 4),
-        }
+        return DrainReport(
+            engine_id=engine_id,
+            state=source.state,
+            sessions=len(routes),
+            moved_with_kv=sum(o in ("kv", "request") for o in outcomes),
+            moved_mid_request=sum(o == "request" for o in outcomes),
+            rebound_without_kv=sum(o == "rebound" for o in outcomes),
+            failed=errors,
+            seconds=round(time.perf_counter() - start, 4),
+        )
 
     async def _move(self, route: SessionRoute, source: EngineClient) -> str:
         target = self.place(exclude=source)
@@ -327,23 +315,20 @@ class Router:
             route.settled.set()
 
     # stats ------------------------------------------------------------------------------------------
-    def describe(self) -> dict[str, Any]:
-        return {
-            "engines": [
-                {
-                    "engine_id": e.engine_id,
-                    "url": e.url,
-                    "state": e.state,
-                    "sessions": len(e.sessions),
-                    "in_flight": e.in_flight,
-                    "calls": e.calls,
-                    "policy_version": e.policy_version,
-                }
-                for e in self.engines.values()
-            ],
-            "sessions": len(self.sessions),
-            **asdict(self.stats),
-        }
+    def views(self) -> list[EngineView]:
+        """Every engine as /admin/stats shows it."""
+        return [
+            EngineView(
+                engine_id=e.engine_id,
+                url=e.url,
+                state=e.state,
+                sessions=len(e.sessions),
+                in_flight=e.in_flight,
+                calls=e.calls,
+                policy_version=e.policy_version,
+            )
+            for e in self.engines.values()
+        ]
 
     def _engine(self, engine_id: str) -> EngineClient:
         engine = self.engines.get(engine_id)

@@ -32,16 +32,24 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+from engines.admin import (
+    AddEngine,
+    EngineAdded,
+    FlushReport,
+    GatewayCounters,
+    GatewayStatsReport,
+    OverheadSummary,
+    StoreAddress,
+)
 from engines.gateway import limits
 from engines.gateway.codec import ChatCodec
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.gateway.context import SessionContext
 from engines.gateway.errors import EngineRejected, GatewayError
 from engines.gateway.protocol import (
-    AddEngine,
     ChatCompletionRequest,
     FinishExecution,
     RegisterExecution,
@@ -61,25 +69,13 @@ from engines.gateway.registry import Agent, Execution, Registry
 from engines.gateway.router import EngineResult, Router
 from engines.gateway.stops import StopStrings
 from engines.protocol import EngineCompletionRequest, GyreChoice, common_prefix
+from engines.quantiles import quantile
 from trajectory_store.schema import RecordError, Role
 from trajectory_store.storage import Store
 
 logger = logging.getLogger(__name__)
 
 _INLINE_CHARS = 32_768  # prompts up to this size are tokenized on the event loop (well under a millisecond)
-
-
-@dataclass
-class GatewayStats:
-    calls: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    reused_prompt_tokens: int = 0  # prompt ids taken from earlier calls (exactly as sent / generated)
-    tokenized_prompt_tokens: int = 0  # prompt ids tokenized from text
-    retokenized_assistant_messages: int = 0  # history the harness changed (or wrote), tokenized from text
-    migrated_calls: int = 0
-    stop_string_cuts: int = 0
-    client_errors: int = 0
 
 
 @dataclass
@@ -98,7 +94,7 @@ class CallOutcome:
 
 class Gateway:
     """Attributes: config, codec (ChatCodec), store, registry (executions), router (engines, sessions),
-    recording (CallRecording: the recorders), stats (GatewayStats), overhead_ms (recent per-call gateway
+    recording (CallRecording: the recorders), stats (GatewayCounters), overhead_ms (recent per-call gateway
     time excluding engine time, filled by app.py's timer)."""
 
     def __init__(self, config: GatewayConfig, codec: ChatCodec | None = None, store: Store | None = None):
@@ -108,7 +104,7 @@ class Gateway:
         self.registry = Registry()
         self.router = Router()
         self.recording = CallRecording(self.store, config.flush_interval_s, config.spool_folder())
-        self.stats = GatewayStats()
+        self.stats = GatewayCounters()
         self.overhead_ms: deque[float] = deque(maxlen=config.overhead_samples)
         self._tokenizing = ThreadPoolExecutor(
             max_workers=config.tokenizer_threads, thread_name_prefix="gyre-tokenizer"
@@ -130,8 +126,8 @@ class Gateway:
         for engine in self.router.engines.values():
             await engine.close()
 
-    async def flush(self) -> dict[str, Any]:
-        return await self.recording.flush()
+    async def flush(self) -> FlushReport:
+        return FlushReport(**await self.recording.flush())
 
     def banner(self) -> str:
         """One line saying where the gateway serves, what stands behind it and where calls land."""
@@ -145,7 +141,7 @@ class Gateway:
         )
 
     # admin ------------------------------------------------------------------------------------------
-    async def add_engine(self, body: AddEngine) -> dict[str, Any]:
+    async def add_engine(self, body: AddEngine) -> EngineAdded:
         spec = EngineSpec(url=body.url, engine_id=body.engine_id, admin_token=body.admin_token)
         engine, old = await self.router.connect(
             spec,
@@ -153,12 +149,9 @@ class Gateway:
             connect_timeout_s=self.config.engine_connect_timeout_s,
             timeout_s=self.config.engine_timeout_s,
         )
-        return {
-            "engine_id": engine.engine_id,
-            "url": engine.url,
-            "model": engine.model_name,
-            "replaced": old is not None,
-        }
+        return EngineAdded(
+            engine_id=engine.engine_id, url=engine.url, model=engine.model_name, replaced=old is not None
+        )
 
     async def register_execution(self, body: RegisterExecution) -> dict[str, Any]:
         live = self.registry.executions.get(body.execution_id)
@@ -215,7 +208,7 @@ class Gateway:
             busy |= agent.route.lock.locked()
             self.router.release(agent.route.session_id)
         try:
-            flushed = await self.flush()
+            flushed = (await self.flush()).model_dump()
         except Exception as exc:  # the store is down: the rows stay buffered, the periodic flush retries
             logger.warning(
                 "flushing at the finish of %s failed (the rows stay buffered): %s", execution_id, exc
@@ -230,25 +223,28 @@ class Gateway:
             "flush": flushed,
         }
 
-    def describe(self, *, samples: bool = False) -> dict[str, Any]:
+    def describe(self, *, samples: bool = False) -> GatewayStatsReport:
+        """GET /admin/stats (``samples``: with every recent overhead sample)."""
         overhead = sorted(self.overhead_ms)
-        timing: dict[str, Any] = {
-            "samples": len(overhead),
-            "p50": _quantile(overhead, 0.5),
-            "p99": _quantile(overhead, 0.99),
-        }
-        if samples:
-            timing["recent_ms"] = list(self.overhead_ms)
-        return {
-            **asdict(self.stats),
-            "record_errors": self.recording.errors,
-            "executions": len(self.registry.executions),
-            "finished_executions": len(self.registry.finished),
-            "store": {"data_root": self.config.store.data_root, "campaign": self.config.store.campaign},
-            "step": self.config.step,
-            "gateway_overhead_ms": timing,
-            **self.router.describe(),
-        }
+        timing = OverheadSummary(
+            samples=len(overhead),
+            p50=quantile(overhead, 0.5, digits=4),
+            p99=quantile(overhead, 0.99, digits=4),
+            recent_ms=list(self.overhead_ms) if samples else None,
+        )
+        store = self.config.store
+        return GatewayStatsReport(
+            **self.stats.model_dump(),
+            **self.router.stats.model_dump(),
+            record_errors=self.recording.errors,
+            executions=len(self.registry.executions),
+            finished_executions=len(self.registry.finished),
+            store=StoreAddress(data_root=store.data_root, campaign=store.campaign),
+            step=self.config.step,
+            gateway_overhead_ms=timing,
+            engines=self.router.views(),
+            sessions=len(self.router.sessions),
+        )
 
     # calls ------------------------------------------------------------------------------------------
     def new_id(self) -> str:
@@ -462,10 +458,3 @@ class Gateway:
 def _check_sampling(request: SamplingFields) -> None:
     if request.n != 1:
         raise GatewayError(400, "n > 1 is not supported: send n requests", param="n")
-
-
-def _quantile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return round(sorted_values[index], 4)

@@ -29,12 +29,7 @@ from trajectory_store.storage import StoreConfig
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "gyre" / "models"
 WRITTEN_LAST = "config.json"  # a reader that sees config.json sees every other file too
-MODEL_FILE_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "*.bin",
+_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -43,15 +38,17 @@ MODEL_FILE_PATTERNS = (
     "vocab.json",
     "merges.txt",
 )
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    *_TOKENIZER_FILES,
+)
 """Files of a Hugging Face model folder: what ``--force`` may replace and what loaders fetch."""
 TOKENIZER_FILE_PATTERNS = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
+    *_TOKENIZER_FILES,
     "config.json",  # AutoTokenizer reads the model type from it when tokenizer_config.json lacks a class
 )
 SMALL_FILE_BYTES = 64 << 20  # files up to this size are hashed by content for the cache key

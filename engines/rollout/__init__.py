@@ -10,7 +10,7 @@ sampled ids with the policy's raw logprob of each and the policy version that pr
     runner.py     ModelRunner: the HF model, prefill and batched-decode forwards, weight loading
     kv.py         KVRows (preallocated KV buffers handed to the model as its cache) and 4D masks
     sampling.py   per-request generators, temperature / top-k / top-p, raw logprobs
-    state.py      Session, RequestState, EngineStats
+    state.py      Session, RequestState (the counters: engines/admin.py EngineCounters)
     migration.py  SessionState, pack / unpack, KVTransport: ShmTransport, TorchIpcTransport, GlooTransport
     server.py     FastAPI app: vLLM-shaped /v1/completions with token ids, admin endpoints
     settings.py   the server process's options (from EngineServerConfig), --config JSON, its environment

@@ -34,6 +34,7 @@ from collections import deque
 
 import torch
 
+from engines.admin import EngineCounters
 from engines.model.weights import read_weights
 from engines.protocol import common_prefix
 from engines.rollout.config import EngineConfig
@@ -42,7 +43,7 @@ from engines.rollout.messages import FinishReason, GenerateOutput, GenerateReque
 from engines.rollout.migration import DecodeState, SessionState
 from engines.rollout.runner import ModelRunner
 from engines.rollout.sampling import request_generator, sample_rows
-from engines.rollout.state import EngineStats, RequestState, Session
+from engines.rollout.state import RequestState, Session
 
 
 class RolloutEngine:
@@ -51,7 +52,7 @@ class RolloutEngine:
     config          EngineConfig
     runner          ModelRunner: the model, its KV shape, prefill/decode forwards, weight swaps
     policy_version  version of the loaded weights, stamped on every sampled token
-    stats           EngineStats counters
+    stats           EngineCounters (engines/admin.py: what /admin/stats carries)
     sessions        session id -> Session (token history + KV)
     waiting         requests not yet prefilled (FIFO), including resumes after sleep / drop_kv
     running         requests decoding, in the row order of the decode batch
@@ -64,7 +65,7 @@ class RolloutEngine:
         self.config = config or EngineConfig()
         self.runner = ModelRunner(model_or_path, self.config)
         self.policy_version = self.config.policy_version
-        self.stats = EngineStats()
+        self.stats = EngineCounters()
         self.sessions: dict[str, Session] = {}
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []

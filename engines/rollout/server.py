@@ -6,7 +6,8 @@
     serve(EngineServerConfig(model=...))                 # the same, from a typed config
     app = create_app(engine, admin_token="...")          # then run it with uvicorn yourself
 
-Endpoints (request and response models: engines/protocol.py, which the gateway imports too):
+Endpoints (request and response models: engines/protocol.py for completions, engines/admin.py for admin,
+with the admin paths; the gateway and the other admin clients import both):
     POST /v1/completions   {"model", "prompt": [ids] | [[ids], ...], "max_tokens", "temperature", "top_p",
                             "top_k", "seed", "stop_token_ids", "logprobs": 1, "return_tokens_as_token_ids":
                             true, "return_token_ids": true, "session_id"} -> choices + usage
@@ -61,8 +62,24 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 
+from engines.admin import (
+    ENGINE_SLEEP,
+    ENGINE_STATS,
+    ENGINE_WAKE,
+    ENGINE_WEIGHTS,
+    EXPORT_SESSION,
+    IMPORT_SESSION,
+    EngineStatsReport,
+    SessionExport,
+    SessionImport,
+    SessionImported,
+    SleepState,
+    WakeRequest,
+    WeightsLoaded,
+    WeightsRequest,
+)
 from engines.model.weights import read_weights
 from engines.options import parse_config
 from engines.protocol import (
@@ -75,21 +92,12 @@ from engines.protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
-    SessionExport,
-    SessionImport,
-    SessionImported,
 )
 from engines.rollout.config import EngineServerConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.loop import EngineLoop
 from engines.rollout.messages import GenerateOutput, GenerateRequest, SamplingParams
 from engines.rollout.migration import ShmHandle, ShmTransport
-
-
-class WeightsRequest(BaseModel):
-    path: str = Field(description="a safetensors file or an HF folder, on this host")
-    version: int | None = Field(None, description="None = the file's 'version' metadata")
-    drop_kv: bool = False
 
 
 def create_app(
@@ -178,29 +186,29 @@ def create_app(
             return _error(400, str(exc))
         return _completion(base, model_name, outputs, body.logprobs)
 
-    @app.post("/admin/weights", dependencies=[Depends(admin)])
-    def weights(body: WeightsRequest) -> dict:
+    @app.post(ENGINE_WEIGHTS.path, dependencies=[Depends(admin)])
+    def weights(body: WeightsRequest) -> WeightsLoaded:
         state, file_version = read_weights(body.path)
         version = body.version if body.version is not None else file_version
         if version is None:
             raise HTTPException(400, f"{body.path} has no 'version' metadata: pass version")
         engine.update_weights(state, version, drop_kv=body.drop_kv)
         loaded["path"] = body.path
-        return {"policy_version": engine.policy_version}
+        return WeightsLoaded(policy_version=engine.policy_version)
 
-    @app.post("/admin/sleep", dependencies=[Depends(admin)])
-    def sleep() -> dict:
+    @app.post(ENGINE_SLEEP.path, dependencies=[Depends(admin)])
+    def sleep() -> SleepState:
         engine.sleep()
-        return {"asleep": engine.asleep}
+        return SleepState(asleep=engine.asleep)
 
-    @app.post("/admin/wake", dependencies=[Depends(admin)])
-    def wake(body: WeightsRequest) -> dict:
+    @app.post(ENGINE_WAKE.path, dependencies=[Depends(admin)])
+    def wake(body: WakeRequest) -> SleepState:
         engine.wake(body.path, body.version)
         loaded["path"] = body.path
         loop.notify()
-        return {"asleep": engine.asleep, "policy_version": engine.policy_version}
+        return SleepState(asleep=engine.asleep, policy_version=engine.policy_version)
 
-    @app.post("/admin/export_session", dependencies=[Depends(admin)])
+    @app.post(EXPORT_SESSION.path, dependencies=[Depends(admin)])
     def export_session(body: SessionExport) -> dict:
         try:
             state = engine.export_session(body.session_id)
@@ -209,7 +217,7 @@ def create_app(
         loop.notify()  # an in-flight request ends with finish_reason 'migrated'
         return transport.send(state).model_dump()
 
-    @app.post("/admin/import_session", dependencies=[Depends(admin)])
+    @app.post(IMPORT_SESSION.path, dependencies=[Depends(admin)])
     async def import_session(body: SessionImport):
         try:
             handle = ShmHandle.model_validate(body.handle)
@@ -227,20 +235,20 @@ def create_app(
             return SessionImported(session_id=state.session_id, request_id=request_id)
         return _completion(request_id, model_name, [await future], logprobs=1)
 
-    @app.get("/admin/stats", dependencies=[Depends(admin)])
-    def stats() -> dict:
-        return {
-            "engine_id": engine.config.engine_id,
-            "policy_version": engine.policy_version,
-            "asleep": engine.asleep,
-            "weights_path": loaded["path"],  # what a restarted sibling loads to serve the same version
-            "sessions": len(engine.sessions),
-            "waiting": len(engine.waiting),
-            "running": len(engine.running),
-            "kv_tokens": engine.kv_tokens,
-            "kv_budget_tokens": engine.config.kv_budget_tokens,
-            **engine.stats.as_dict(),
-        }
+    @app.get(ENGINE_STATS.path, dependencies=[Depends(admin)])
+    def stats() -> EngineStatsReport:
+        return EngineStatsReport(
+            engine_id=engine.config.engine_id,
+            policy_version=engine.policy_version,
+            asleep=engine.asleep,
+            weights_path=loaded["path"],  # what a restarted sibling loads to serve the same version
+            sessions=len(engine.sessions),
+            waiting=len(engine.waiting),
+            running=len(engine.running),
+            kv_tokens=engine.kv_tokens,
+            kv_budget_tokens=engine.config.kv_budget_tokens,
+            **engine.stats.model_dump(),
+        )
 
     return app
 

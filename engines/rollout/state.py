@@ -1,8 +1,9 @@
-"""The engine's bookkeeping: sessions (token history + KV), requests in flight, counters."""
+"""The engine's bookkeeping: sessions (token history + KV) and requests in flight (its counters are
+engines/admin.py's EngineCounters: /admin/stats carries them)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,24 +68,3 @@ class RequestState:
             engine_id=engine_id,
             migrated=self.migrated,
         )
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started (``asdict`` for /admin/stats)."""
-
-    prefilled_tokens: int = 0  # tokens run through a prefill forward
-    cached_tokens: int = 0  # prompt tokens whose KV a first prefill reused (prefix-cache hits)
-    decoded_tokens: int = 0  # tokens sampled (every output token)
-    evictions: int = 0  # idle sessions whose KV the budget evicted
-    migrations_in: int = 0
-    migrations_out: int = 0
-    recomputed_tokens: int = 0  # prefilled tokens whose KV this session had before (eviction, sleep, drop)
-    steps: int = 0
-    decode_steps: int = 0  # batched decode forwards
-    batch_rebuilds: int = 0  # padded decode batch rebuilt (composition changed)
-    max_running: int = 0  # most requests decoded in one forward
-    weight_updates: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)

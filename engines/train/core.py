@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +24,11 @@ import torch
 
 from engines.model.storage import TOKENIZER_FILE_PATTERNS, fetch_folder, is_model_file
 from engines.model.weights import save_weights
+from engines.net import free_port
 from engines.train.config import TrainerConfig
 from engines.train.worker import GradWorker
 
 _DISTRIBUTED_READY = False
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _deepspeed():
@@ -65,7 +59,7 @@ def ensure_distributed() -> None:
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
         verbose=False,

@@ -1,5 +1,7 @@
 """Elastic data parallel: satellites join a training step that is already running, and the step's
-micro-batches may still be arriving (a streaming step).
+micro-batches may still be arriving (a streaming step). This module is the core's side
+(ElasticCoordinator, StreamingStep, StepReport); a satellite's side is engines/train/satellite.py
+(``run_satellite``), and what both use is engines/train/elastic_protocol.py.
 
 One step, as the core cell runs it:
 
@@ -42,19 +44,24 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from engines.model.weights import read_weights, save_weights
+from engines.model.weights import save_weights
 from engines.train.core import CoreTrainer
+from engines.train.elastic_protocol import (
+    CORE,
+    ElasticConfig,
+    Idle,
+    has,
+    reduce_sums,
+    stats_from_record,
+)
 from engines.train.stream import (
     ChunkCache,
     StreamState,
@@ -66,32 +73,10 @@ from engines.train.stream import (
     step_store,
     try_claim,
 )
-from engines.train.worker import GradWorker, StepStats
+from engines.train.worker import StepStats
 from trajectory_store.processor import PackedSequence
 
-CORE = 0
-
-__all__ = [
-    "CORE",
-    "ElasticConfig",
-    "ElasticCoordinator",
-    "StepReport",
-    "StreamingStep",
-    "run_satellite",
-    "step_store",
-]
-
-
-@dataclass
-class ElasticConfig:
-    """Timing of the step protocol."""
-
-    heartbeat_s: float = 0.2  # how often a satellite says it is alive
-    dead_after_s: float = 5.0  # a satellite silent for this long is dead
-    reduce_timeout_s: float = 60.0  # a gloo reduction that takes longer has failed
-    join_timeout_s: float = 600.0  # how long a satellite waits for a step to open
-    poll_s: float = 0.01  # an idle participant's first wait for a new micro-batch (the core: its deadline)
-    idle_max_s: float = 0.05  # ... doubling while nothing arrives, up to this (each look costs CPU)
+__all__ = ["ElasticCoordinator", "StepReport", "StreamingStep"]
 
 
 @dataclass
@@ -137,90 +122,6 @@ class StepReport:
             "core_wait_s": self.wait_s.get(CORE, 0.0),
             **{f"{k}_s": v for k, v in self.timings.items()},
         }
-
-
-def _has(store: dist.Store, key: str) -> bool:
-    return store.check([key])
-
-
-def _reduce(
-    store: dist.Store,
-    attempt: int,
-    rank: int,
-    size: int,
-    grad: torch.Tensor,
-    stats: StepStats,
-    timeout_s: float,
-) -> tuple[torch.Tensor, StepStats]:
-    """One gloo all-reduce of [grad sums | stat sums] and one of the maxima, in a group made for it."""
-    group = dist.ProcessGroupGloo(
-        dist.PrefixStore(f"reduce{attempt}/", store), rank, size, timedelta(seconds=timeout_s)
-    )
-    flat = torch.cat([grad, torch.tensor(stats.as_vector(), dtype=grad.dtype)])
-    group.allreduce([flat]).wait()
-    maxima = torch.tensor([stats.ratio_max, float(stats.lag_max)], dtype=torch.float32)
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MAX
-    group.allreduce([maxima], options).wait()
-    n = grad.numel()
-    merged = StepStats.from_vector(flat[n:].tolist(), float(maxima[0]), int(maxima[1]), stats.micro_batches)
-    return flat[:n], merged
-
-
-def _stats_record(stats: StepStats) -> dict:
-    return {
-        "micro_batches": stats.micro_batches,
-        "vector": stats.as_vector(),
-        "ratio_max": stats.ratio_max,
-        "lag_max": stats.lag_max,
-    }
-
-
-def _stats_from_record(record: dict) -> StepStats:
-    return StepStats.from_vector(
-        record["vector"], record["ratio_max"], record["lag_max"], record["micro_batches"]
-    )
-
-
-class _Idle:
-    """The wait between an idle participant's looks at the store: ``poll_s``, doubling while nothing
-    arrives up to ``idle_max_s``, back to ``poll_s`` once something did. Each look is two or three
-    TCPStore round trips and a JSON parse; at a constant 10 ms an idle participant took about four
-    times the CPU it takes with this backoff (`python -m bench.idle`), CPU a small machine takes from
-    the engines decoding beside it. A satellite asked to leave notices within one wait."""
-
-    def __init__(self, config: ElasticConfig):
-        self.first, self.most = config.poll_s, max(config.idle_max_s, config.poll_s)
-        self.next = self.first
-
-    def wait(self) -> float:
-        """Sleeps once; the seconds slept."""
-        started = time.perf_counter()
-        time.sleep(self.next)
-        self.next = min(self.next * 2, self.most)
-        return time.perf_counter() - started
-
-    def busy(self) -> None:
-        self.next = self.first
-
-
-class _Heartbeat:
-    def __init__(self, store: dist.Store, key: str, every_s: float):
-        self.store, self.key, self.every_s = store, key, every_s
-        self._stop = threading.Event()
-        store.set(key, str(time.time()))
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                self.store.set(self.key, str(time.time()))
-            except Exception:  # the core went away: nothing left to tell
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class ElasticCoordinator:
@@ -299,7 +200,7 @@ class StreamingStep:
         started = time.perf_counter()
         self.coordinator, self.config, self.step, self.final = coordinator, coordinator.config, step, final
         self.store = step_store(coordinator.store, step)
-        if _has(self.store, "meta"):
+        if has(self.store, "meta"):
             raise ValueError(f"step {step} was already opened on this store")
         if n_executions is not None and n_executions < 1:
             raise ValueError(f"a normalizer known at open must be >= 1, got {n_executions}")
@@ -370,7 +271,7 @@ class StreamingStep:
             # release anyone still waiting on this step: no more work, no reduction with them
             try:
                 close_stream(self.store, by="error")
-                if not _has(self.store, "group/0"):
+                if not has(self.store, "group/0"):
                     self.store.set("group/0", json.dumps({"members": [CORE]}))
             except Exception:
                 pass
@@ -384,7 +285,7 @@ class StreamingStep:
     def _silent(self, sid: int, now: float) -> bool:
         """No heartbeat from satellite ``sid`` for longer than dead_after_s."""
         self._first_seen.setdefault(sid, now)
-        beat = float(self.store.get(f"hb/{sid}")) if _has(self.store, f"hb/{sid}") else self._first_seen[sid]
+        beat = float(self.store.get(f"hb/{sid}")) if has(self.store, f"hb/{sid}") else self._first_seen[sid]
         return now - beat > self.config.dead_after_s
 
     def _evict_dead(self, stats: StepStats) -> None:
@@ -392,16 +293,16 @@ class StreamingStep:
         ignored) and what it claimed is recomputed now, so its death does not land on the tail."""
         store, now = self.store, time.time()
         for sid in range(1, store.add("joined", 0) + 1):
-            if sid in self.evicted or not _has(store, f"active/{sid}"):
+            if sid in self.evicted or not has(store, f"active/{sid}"):
                 continue
-            if _has(store, f"finished/{sid}") or _has(store, f"left/{sid}") or not self._silent(sid, now):
+            if has(store, f"finished/{sid}") or has(store, f"left/{sid}") or not self._silent(sid, now):
                 continue
             store.set(f"evicted/{sid}", "1")
             self.evicted.add(sid)
             upto = claimed(store)
             state = read_state(store)  # read after ``upto``: it holds every micro-batch claimed so far
             for index in range(upto):
-                owner = store.get(f"owner/{index}") if _has(store, f"owner/{index}") else None
+                owner = store.get(f"owner/{index}") if has(store, f"owner/{index}") else None
                 if owner is not None and int(owner) == sid and index not in self.recomputed:
                     self._compute(stats, state, index)
                     self.recomputed.append(index)
@@ -410,7 +311,7 @@ class StreamingStep:
         store, core, config = self.store, self.coordinator.core, self.config
         worker = core.worker
         stats = StepStats()
-        waited, idle = 0.0, _Idle(config)
+        waited, idle = 0.0, Idle(config)
         next_check = time.time() + 2 * config.heartbeat_s
         while True:
             if time.time() >= next_check:
@@ -441,7 +342,7 @@ class StreamingStep:
         recomputed = self.recomputed
         early = set(recomputed)
         for index in range(n):
-            owner = int(store.get(f"owner/{index}")) if _has(store, f"owner/{index}") else None
+            owner = int(store.get(f"owner/{index}")) if has(store, f"owner/{index}") else None
             if (owner is None or owner in dead) and index not in early:
                 self._compute(stats, state, index)
                 recomputed.append(index)
@@ -455,7 +356,7 @@ class StreamingStep:
             if record["grad"]:
                 worker.grad += load_file(record["grad"])["grad"]
                 os.remove(record["grad"])
-            stats.add(_stats_from_record(record))
+            stats.add(stats_from_record(record))
         own_grad = worker.grad.clone()
         attempt = 0
         store.set("group/0", json.dumps({"members": members}))
@@ -463,7 +364,9 @@ class StreamingStep:
             if len(members) == 1:
                 grad, merged = worker.grad, stats
             else:
-                grad, merged = _reduce(store, 0, 0, len(members), worker.grad, stats, config.reduce_timeout_s)
+                grad, merged = reduce_sums(
+                    store, 0, 0, len(members), worker.grad, stats, config.reduce_timeout_s
+                )
         except Exception:
             # a member died inside the reduction: go on alone, redoing every other member's share
             attempt = 1
@@ -531,7 +434,7 @@ class StreamingStep:
     def _wait_for_satellites(self) -> tuple[dict[int, dict], dict[int, dict], list[int]]:
         """Waits until every active satellite has finished, left or died. A satellite that is not
         active yet (still pulling weights) can own nothing: every micro-batch is claimed already."""
-        store, idle = self.store, _Idle(self.config)
+        store, idle = self.store, Idle(self.config)
         while True:
             joined = store.add("joined", 0)
             finished, left, dead, waiting = {}, {}, [], []
@@ -539,121 +442,16 @@ class StreamingStep:
             for sid in range(1, joined + 1):
                 if sid in self.evicted:
                     dead.append(sid)
-                elif _has(store, f"finished/{sid}"):
+                elif has(store, f"finished/{sid}"):
                     finished[sid] = json.loads(store.get(f"finished/{sid}"))
-                elif _has(store, f"left/{sid}"):
+                elif has(store, f"left/{sid}"):
                     left[sid] = json.loads(store.get(f"left/{sid}"))
-                elif _has(store, f"active/{sid}"):
+                elif has(store, f"active/{sid}"):
                     (dead if self._silent(sid, now) else waiting).append(sid)
             if not waiting:
                 for sid in self.evicted:  # an evicted satellite that left anyway: its sum is void
-                    record = json.loads(store.get(f"left/{sid}")) if _has(store, f"left/{sid}") else {}
+                    record = json.loads(store.get(f"left/{sid}")) if has(store, f"left/{sid}") else {}
                     if record.get("grad") and os.path.exists(record["grad"]):
                         os.remove(record["grad"])
                 return finished, left, dead
             idle.wait()
-
-
-def _hand_over(
-    store: dist.Store, sid: int, worker: GradWorker, stats: StepStats, meta: dict, wait_s: float
-) -> None:
-    """A leaving satellite's gradient sum goes to a file the core adds (fp64, so still exact)."""
-    path = None
-    if stats.micro_batches:
-        path = os.path.join(meta["handoff_dir"], f"step{meta['step']}-satellite{sid}.grad.safetensors")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        save_file({"grad": worker.grad}, tmp)
-        os.replace(tmp, path)
-    store.set(f"left/{sid}", json.dumps({**_stats_record(stats), "grad": path, "wait_s": wait_s}))
-
-
-def run_satellite(
-    host: str,
-    port: int,
-    step: int,
-    worker: GradWorker,
-    load_batch: Callable[[str], list[PackedSequence]],
-    *,
-    config: ElasticConfig | None = None,
-    join_when: Callable[[dist.Store], bool] | None = None,
-    die_after: int | None = None,
-    pace_s: float = 0.0,
-    ready: Callable[[], None] | None = None,
-    leave: Callable[[], bool] | None = None,
-    leave_after: int | None = None,
-    joined: Callable[[dict], None] | None = None,
-) -> dict:
-    """A satellite's share of one step. ``leave`` is asked between micro-batches and while idle:
-    True hands the gradient sum over to the core and returns at once (the cell can serve rollouts).
-
-    Test and benchmark hooks: ``join_when`` delays joining ("after half the micro-batches"),
-    ``die_after`` ends the process abruptly after that many micro-batches, ``leave_after`` leaves
-    after that many, ``pace_s`` slows each micro-batch down, ``ready`` is called once connected.
-    ``joined`` is called with {sid, pull_s} once the weights are pulled and the core counts on this
-    satellite (the end of a cell's switch to training: scheduler/cells.py times it)."""
-    config = config or ElasticConfig()
-    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.join_timeout_s))
-    store = step_store(client, step)
-    if ready is not None:
-        ready()
-    meta = json.loads(store.get("meta"))
-    while join_when is not None and not join_when(store):
-        time.sleep(0.005)
-    state = read_state(store)
-    if state.closure is not None and claimed(store) >= state.total:
-        return {"sid": None, "member": False, "late": True, "micro_batches": []}
-    sid = store.add("joined", 1)
-    heartbeat = _Heartbeat(store, f"hb/{sid}", config.heartbeat_s)
-    try:
-        pulled = time.perf_counter()
-        weights, version = read_weights(meta["weights"], expected_version=meta["version"])
-        worker.load_weights(weights, version)
-        pull_s = time.perf_counter() - pulled
-        cache = ChunkCache(load_batch)
-        worker.reset()
-        stats = StepStats()
-        waited, idle = 0.0, _Idle(config)
-        result = {"sid": sid, "pull_s": pull_s}
-        store.set(f"active/{sid}", "1")  # from here on the core waits for this satellite
-        if joined is not None:
-            joined(dict(result))
-        while True:
-            if _has(store, f"evicted/{sid}"):  # found dead by the core (a long stall): its work is redone
-                return result | {"member": False, "evicted": True, "micro_batches": stats.micro_batches}
-            if (leave is not None and leave()) or (
-                leave_after is not None and len(stats.micro_batches) >= leave_after
-            ):
-                asked = time.perf_counter()
-                _hand_over(store, sid, worker, stats, meta, waited)
-                return result | {
-                    "member": False,
-                    "left": True,
-                    "micro_batches": stats.micro_batches,
-                    "handoff_s": time.perf_counter() - asked,
-                    "left_after_s": time.time() - meta["opened_at"],
-                    "wait_s": waited,
-                }
-            state = read_state(store)
-            index = try_claim(store, sid, state.total)
-            if index is None:
-                if state.closure is not None:
-                    break
-                waited += idle.wait()
-                continue
-            idle.busy()
-            store.set(f"owner/{index}", str(sid))
-            stats.add(worker.accumulate(cache.sequence(state, index), meta["n_executions"], index, version))
-            if die_after is not None and len(stats.micro_batches) >= die_after:
-                os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-step: a killed cell, at a known point
-            if pace_s:
-                time.sleep(pace_s)
-        store.set(f"finished/{sid}", json.dumps({"micro_batches": stats.micro_batches, "wait_s": waited}))
-        result |= {"micro_batches": stats.micro_batches, "wait_s": waited, "left": False}
-        group = json.loads(store.get("group/0"))
-        if sid not in group["members"]:
-            return result | {"member": False}
-        rank = group["members"].index(sid)
-        _reduce(store, 0, rank, len(group["members"]), worker.grad, stats, config.reduce_timeout_s)
-        return result | {"member": True}
-    finally:
-        heartbeat.stop()

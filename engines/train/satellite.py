@@ -1,4 +1,5 @@
-"""A satellite cell's process: join one running step of the core, contribute, leave.
+"""A satellite: its share of one elastic step (``run_satellite``) and its process (join one running
+step of the core, contribute, leave).
 
     python -m engines.train.satellite --host 127.0.0.1 --port 29500 --step 3 --model ./policy
 
@@ -12,17 +13,130 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
 
-from engines.model.weights import load_model
+from engines.model.weights import load_model, read_weights
 from engines.train.config import LossConfig
-from engines.train.elastic import ElasticConfig, run_satellite
-from engines.train.stream import claimed, read_batch
-from engines.train.worker import GradWorker
+from engines.train.elastic_protocol import ElasticConfig, Heartbeat, Idle, has, reduce_sums, stats_record
+from engines.train.stream import ChunkCache, claimed, read_batch, read_state, step_store, try_claim
+from engines.train.worker import GradWorker, StepStats
+from trajectory_store.processor import PackedSequence
 
-__all__ = ["main", "read_batch", "satellite_main", "start_satellites"]
+__all__ = ["main", "read_batch", "run_satellite", "satellite_main", "start_satellites"]
+
+
+def _hand_over(
+    store: dist.Store, sid: int, worker: GradWorker, stats: StepStats, meta: dict, wait_s: float
+) -> None:
+    """A leaving satellite's gradient sum goes to a file the core adds (fp64, so still exact)."""
+    path = None
+    if stats.micro_batches:
+        path = os.path.join(meta["handoff_dir"], f"step{meta['step']}-satellite{sid}.grad.safetensors")
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file({"grad": worker.grad}, tmp)
+        os.replace(tmp, path)
+    store.set(f"left/{sid}", json.dumps({**stats_record(stats), "grad": path, "wait_s": wait_s}))
+
+
+def run_satellite(
+    host: str,
+    port: int,
+    step: int,
+    worker: GradWorker,
+    load_batch: Callable[[str], list[PackedSequence]],
+    *,
+    config: ElasticConfig | None = None,
+    join_when: Callable[[dist.Store], bool] | None = None,
+    die_after: int | None = None,
+    pace_s: float = 0.0,
+    ready: Callable[[], None] | None = None,
+    leave: Callable[[], bool] | None = None,
+    leave_after: int | None = None,
+    joined: Callable[[dict], None] | None = None,
+) -> dict:
+    """A satellite's share of one step. ``leave`` is asked between micro-batches and while idle:
+    True hands the gradient sum over to the core and returns at once (the cell can serve rollouts).
+
+    Test and benchmark hooks: ``join_when`` delays joining ("after half the micro-batches"),
+    ``die_after`` ends the process abruptly after that many micro-batches, ``leave_after`` leaves
+    after that many, ``pace_s`` slows each micro-batch down, ``ready`` is called once connected.
+    ``joined`` is called with {sid, pull_s} once the weights are pulled and the core counts on this
+    satellite (the end of a cell's switch to training: scheduler/cells.py times it)."""
+    config = config or ElasticConfig()
+    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=config.join_timeout_s))
+    store = step_store(client, step)
+    if ready is not None:
+        ready()
+    meta = json.loads(store.get("meta"))
+    while join_when is not None and not join_when(store):
+        time.sleep(0.005)
+    state = read_state(store)
+    if state.closure is not None and claimed(store) >= state.total:
+        return {"sid": None, "member": False, "late": True, "micro_batches": []}
+    sid = store.add("joined", 1)
+    heartbeat = Heartbeat(store, f"hb/{sid}", config.heartbeat_s)
+    try:
+        pulled = time.perf_counter()
+        weights, version = read_weights(meta["weights"], expected_version=meta["version"])
+        worker.load_weights(weights, version)
+        pull_s = time.perf_counter() - pulled
+        cache = ChunkCache(load_batch)
+        worker.reset()
+        stats = StepStats()
+        waited, idle = 0.0, Idle(config)
+        result = {"sid": sid, "pull_s": pull_s}
+        store.set(f"active/{sid}", "1")  # from here on the core waits for this satellite
+        if joined is not None:
+            joined(dict(result))
+        while True:
+            if has(store, f"evicted/{sid}"):  # found dead by the core (a long stall): its work is redone
+                return result | {"member": False, "evicted": True, "micro_batches": stats.micro_batches}
+            if (leave is not None and leave()) or (
+                leave_after is not None and len(stats.micro_batches) >= leave_after
+            ):
+                asked = time.perf_counter()
+                _hand_over(store, sid, worker, stats, meta, waited)
+                return result | {
+                    "member": False,
+                    "left": True,
+                    "micro_batches": stats.micro_batches,
+                    "handoff_s": time.perf_counter() - asked,
+                    "left_after_s": time.time() - meta["opened_at"],
+                    "wait_s": waited,
+                }
+            state = read_state(store)
+            index = try_claim(store, sid, state.total)
+            if index is None:
+                if state.closure is not None:
+                    break
+                waited += idle.wait()
+                continue
+            idle.busy()
+            store.set(f"owner/{index}", str(sid))
+            stats.add(worker.accumulate(cache.sequence(state, index), meta["n_executions"], index, version))
+            if die_after is not None and len(stats.micro_batches) >= die_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-step: a killed cell, at a known point
+            if pace_s:
+                time.sleep(pace_s)
+        store.set(f"finished/{sid}", json.dumps({"micro_batches": stats.micro_batches, "wait_s": waited}))
+        result |= {"micro_batches": stats.micro_batches, "wait_s": waited, "left": False}
+        group = json.loads(store.get("group/0"))
+        if sid not in group["members"]:
+            return result | {"member": False}
+        rank = group["members"].index(sid)
+        reduce_sums(store, 0, rank, len(group["members"]), worker.grad, stats, config.reduce_timeout_s)
+        return result | {"member": True}
+    finally:
+        heartbeat.stop()
 
 
 def satellite_main(

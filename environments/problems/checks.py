@@ -14,6 +14,8 @@ The same text becomes
   every expectation (``observe(_m.scale_price(3))``) and whose expected values (``[11]``) stay with
   the grading process. environments/problems/grading.py runs the probe in a sandbox and compares.
 
+``suite_problem`` makes a generated problem of a suite's checks (and its knobs, files and solution).
+
 Why split: code the agent wrote runs inside a probe, and code that runs can print, patch, exit or
 lie about anything in its own process. It cannot make the grading process see a value it did not
 produce, so the verdict is taken where no agent code runs, on data.
@@ -25,7 +27,8 @@ import ast
 import json
 from typing import Any
 
-from environments.problems.problem import Check
+from environments.problems.problem import Check, Problem
+from environments.problems.registry import problem_id
 
 CHECK_TIMEOUT_S = 2
 """Per-check alarm of a visible test script."""
@@ -142,3 +145,31 @@ def compile_check(name: str, code: str) -> Check:
         raise ValueError(f"check {name!r} expects nothing: {code!r}")
     probe = ast.unparse(ast.fix_missing_locations(ast.Module(body=body, type_ignores=[])))
     return Check(name=name, probe=probe, expected=expected, imports_workspace=imports)
+
+
+def suite_problem(
+    suite: str,
+    knobs: tuple[int, int, int, int],
+    instruction: str,
+    files: dict[str, str],
+    checks: list[tuple[str, str]],
+    solution: list[dict[str, Any]],
+    visible_path: str | None,
+    meta: dict[str, Any],
+) -> Problem:
+    """A generated problem of ``suite``: ``knobs`` (seed, difficulty, length, index) give its stable id,
+    its ``checks`` ((name, code) pairs) are compiled (checks.compile_check), the harness's run_tests runs
+    the script at ``visible_path`` (None: the suite ships no visible tests), and ``meta`` gets the
+    length knob."""
+    seed, difficulty, length, index = knobs
+    return Problem(
+        problem_id=problem_id(suite, seed, difficulty, length, index),
+        suite=suite,
+        instruction=instruction,
+        files=files,
+        checks=[compile_check(name, code) for name, code in checks],
+        visible_test_command=None if visible_path is None else f"python -B {visible_path}",
+        solution=solution,
+        difficulty=difficulty,
+        meta={"length": length, **meta},
+    )

@@ -17,7 +17,7 @@ import os
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from environments.tools import TOOL_NAMES
 
@@ -44,8 +44,28 @@ class Check:
     ``expect_equal`` checks are allowed (see compile_check)."""
 
 
+class JsonFields:
+    """``to_json`` / ``from_json`` of a dataclass whose JSON is its fields, nothing else: a key that is
+    none of them is refused with ``_refusal``."""
+
+    _refusal: ClassVar[str] = "unknown {name} fields {unknown}; expected some of {known}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Self:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                cls._refusal.format(name=cls.__name__, known=sorted(known), unknown=sorted(unknown))
+            )
+        return cls(**data)
+
+
 @dataclass
-class Problem:
+class Problem(JsonFields):
     """One RL problem: what the agent reads, the workspace it starts in, and how it is graded."""
 
     problem_id: str
@@ -86,44 +106,20 @@ class Problem:
                     f'{{"tool": one of {list(TOOL_NAMES)}, "arguments": {{...}}}}'
                 )
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Problem:
-        known, unknown = _fields(cls, data)
-        if unknown:
-            raise ValueError(f"unknown Problem fields {unknown}; expected some of {known}")
-        return cls(**data)
-
     def public(self) -> PublicProblem:
         """What a harness may see: no grader, no hidden tests, no solution, no id."""
         return PublicProblem(self.suite, self.instruction, self.visible_test_command)
 
 
 @dataclass(frozen=True)
-class PublicProblem:
+class PublicProblem(JsonFields):
     """The part of a problem an execution sees (the JSON handed to every harness)."""
 
     suite: str
     instruction: str
     visible_test_command: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PublicProblem:
-        known, unknown = _fields(cls, data)
-        if unknown:
-            raise ValueError(f"a harness gets only {known} of a problem; this JSON also has {unknown}")
-        return cls(**data)
-
-
-def _fields(cls: type, data: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(the dataclass's fields, the keys of ``data`` that are none of them), both sorted."""
-    known = set(cls.__dataclass_fields__)
-    return sorted(known), sorted(set(data) - known)
+    _refusal = "a harness gets only {known} of a problem; this JSON also has {unknown}"
 
 
 def check_relative_path(path: str, *, what: str) -> None:

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from environments.problems.checks import compile_check, grader_script
+from environments.problems.checks import grader_script, suite_problem
 from environments.problems.problem import Problem
 from environments.problems.registry import (
     WORDS,
@@ -221,17 +221,9 @@ def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
             "finish", summary=f"Wrote {len(functions)} function{'s' if len(functions) > 1 else ''} in {name}."
         ),
     ]
-    return Problem(
-        problem_id=problem_id("repo", seed, difficulty, length, index),
-        suite="repo",
-        instruction=instruction,
-        files=files,
-        checks=[compile_check(name, code) for name, code in checks],
-        visible_test_command=f"python -B {visible_path}",
-        solution=solution,
-        difficulty=difficulty,
-        meta={"length": length, "items": len(functions), "modules": [module_path(m) for m in modules]},
-    )
+    meta = {"items": len(functions), "modules": [module_path(m) for m in modules]}
+    knobs = (seed, difficulty, length, index)
+    return suite_problem("repo", knobs, instruction, files, checks, solution, visible_path, meta)
 
 
 def module_path(module: str) -> str:

@@ -20,7 +20,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from environments.problems.checks import compile_check, grader_script
+from environments.problems.checks import grader_script, suite_problem
 from environments.problems.problem import Problem
 from environments.problems.registry import (
     action,
@@ -148,14 +148,6 @@ def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
         action("run_tests"),
         action("finish", summary=f"Fixed {len(bugs)} bug{'s' if len(bugs) > 1 else ''} in {path}."),
     ]
-    return Problem(
-        problem_id=problem_id("swe", seed, difficulty, length, index),
-        suite="swe",
-        instruction=instruction,
-        files=files,
-        checks=[compile_check(name, code) for name, code in checks],
-        visible_test_command=f"python -B {visible_path}",
-        solution=solution,
-        difficulty=difficulty,
-        meta={"length": length, "items": len(bugs), "functions": n_functions},
-    )
+    meta = {"items": len(bugs), "functions": n_functions}
+    knobs = (seed, difficulty, length, index)
+    return suite_problem("swe", knobs, instruction, files, checks, solution, visible_path, meta)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from environments.problems.checks import compile_check
+from environments.problems.checks import suite_problem
 from environments.problems.problem import Problem
 from environments.problems.registry import (
     WORDS,
@@ -109,12 +109,25 @@ def _create(rng: random.Random, paths: _Paths, length: int) -> Operation:
 
 
 def _rename(rng: random.Random, paths: _Paths, length: int) -> Operation:
+    return _relocate(rng, paths, length, "mv")
+
+
+def _copy(rng: random.Random, paths: _Paths, length: int) -> Operation:
+    return _relocate(rng, paths, length, "cp")
+
+
+def _relocate(rng: random.Random, paths: _Paths, length: int, command: str) -> Operation:
+    """A file moved (``mv``: the source must be gone) or copied (``cp``: the source must stay) to
+    another folder."""
     source, lines = paths.file(), _content_lines(rng, length)
     target = paths.file(folder=rng.choice(DIRS))
-    check = f"expect(not Path({source!r}).exists(), '{source} still exists')\n"
+    if command == "mv":
+        verb, check = "Rename", f"expect(not Path({source!r}).exists(), '{source} still exists')\n"
+    else:
+        verb, check = "Copy", f"expect_equal(lines_of({source!r}), {lines!r}, {source!r})\n"
     check += f"expect_equal(lines_of({target!r}), {lines!r}, {target!r})"
-    steps = [action("run", command=_mkdir_then(target, f"mv {source} {target}"))]
-    return Operation(f"Rename {source} to {target}.", check, steps, {source: _text(lines)})
+    steps = [action("run", command=_mkdir_then(target, f"{command} {source} {target}"))]
+    return Operation(f"{verb} {source} to {target}.", check, steps, {source: _text(lines)})
 
 
 def _delete(rng: random.Random, paths: _Paths, length: int) -> Operation:
@@ -122,15 +135,6 @@ def _delete(rng: random.Random, paths: _Paths, length: int) -> Operation:
     check = f"expect(not Path({path!r}).exists(), '{path} still exists')"
     steps = [action("run", command=f"rm {path}")]
     return Operation(f"Delete the file {path}.", check, steps, {path: _text(_content_lines(rng, length))})
-
-
-def _copy(rng: random.Random, paths: _Paths, length: int) -> Operation:
-    source, lines = paths.file(), _content_lines(rng, length)
-    target = paths.file(folder=rng.choice(DIRS))
-    check = f"expect_equal(lines_of({source!r}), {lines!r}, {source!r})\n"
-    check += f"expect_equal(lines_of({target!r}), {lines!r}, {target!r})"
-    steps = [action("run", command=_mkdir_then(target, f"cp {source} {target}"))]
-    return Operation(f"Copy {source} to {target}.", check, steps, {source: _text(lines)})
 
 
 def _append(rng: random.Random, paths: _Paths, length: int) -> Operation:
@@ -210,14 +214,6 @@ def _one(seed: int, difficulty: int, length: int, index: int) -> Problem:
     solution.append(
         action("finish", summary=f"Done: {len(operations)} change{'s' if len(operations) > 1 else ''}.")
     )
-    return Problem(
-        problem_id=problem_id("terminal", seed, difficulty, length, index),
-        suite="terminal",
-        instruction=instruction,
-        files=files,
-        checks=[compile_check(name, code) for name, code in checks],
-        visible_test_command=None,
-        solution=solution,
-        difficulty=difficulty,
-        meta={"length": length, "items": len(operations), "operations": chosen},
-    )
+    meta = {"items": len(operations), "operations": chosen}
+    knobs = (seed, difficulty, length, index)
+    return suite_problem("terminal", knobs, instruction, files, checks, solution, None, meta)

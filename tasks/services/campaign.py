@@ -21,6 +21,7 @@ import fsspec
 import httpx
 from pydantic import BaseModel, Field, SecretStr
 
+from engines.admin import AdminClient
 from engines.train.core import default_fast_dir
 from tasks.services.stack import LocalStack, local_stack
 from tasks.services.up import ServingConfig, UpRecord, running_stack
@@ -80,12 +81,9 @@ def policy_path(services: Services, version: int, init_model: str) -> str:
     return local
 
 
-def _engine(url: str, services: Services, method: str, path: str, body: dict | None = None) -> dict:
-    headers = {"Authorization": f"Bearer {services.engine_admin_token.get_secret_value()}"}
-    response = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=600)
-    if response.status_code != 200:
-        raise RuntimeError(f"engine {url} {path} answered {response.status_code}: {response.text[:300]}")
-    return response.json()
+def _engine(services: Services) -> AdminClient:
+    """The engines' admin client (a weight load may take minutes)."""
+    return AdminClient(engine_token=services.engine_admin_token.get_secret_value(), timeout_s=600)
 
 
 def serve_version(services: Services, engines: list[str], version: int, path: str) -> dict[str, str]:
@@ -93,53 +91,50 @@ def serve_version(services: Services, engines: list[str], version: int, path: st
     An engine that cannot be reached (its process died) is skipped: the gateway routes nothing to it,
     and the step runs on the others; with none reachable it raises."""
     done = {}
-    for url in engines:
-        try:
-            stats = _engine(url, services, "GET", "/admin/stats")
-        except httpx.TransportError:
-            done[url] = "unreachable"
-            continue
-        if stats.get("asleep"):
-            _engine(url, services, "POST", "/admin/wake", {"path": path, "version": version})
-            done[url] = "woke"
-        elif stats.get("policy_version") != version:
-            _engine(
-                url, services, "POST", "/admin/weights", {"path": path, "version": version, "drop_kv": True}
-            )
-            done[url] = "swapped"
-        else:
-            done[url] = "serving"
+    with _engine(services) as admin:
+        for url in engines:
+            try:
+                stats = admin.engine_stats(url)
+            except httpx.TransportError:
+                done[url] = "unreachable"
+                continue
+            if stats.asleep:
+                admin.wake(url, path, version)
+                done[url] = "woke"
+            elif stats.policy_version != version:
+                admin.load_weights(url, path, version, drop_kv=True)
+                done[url] = "swapped"
+            else:
+                done[url] = "serving"
     if engines and all(what == "unreachable" for what in done.values()):
         raise RuntimeError(f"no engine answers: {', '.join(engines)}")
     return done
 
 
-def gateway_admin(services: Services, method: str, path: str, body: dict | None = None) -> dict:
-    headers = {"Authorization": f"Bearer {services.admin_token.get_secret_value()}"}
-    response = httpx.request(method, f"{services.gateway_url}{path}", json=body, headers=headers, timeout=60)
-    if response.status_code != 200:
-        raise RuntimeError(f"gateway {path} answered {response.status_code}: {response.text[:300]}")
-    return response.json()
+def gateway_admin(services: Services) -> AdminClient:
+    """The gateway's admin client (engine management)."""
+    return AdminClient(services.gateway_url, services.admin_token.get_secret_value(), timeout_s=60)
 
 
 def readd_dead_engines(services: Services, engines: list[str]) -> list[str]:
     """Adds back to the gateway each engine of ``engines`` it holds dead (a process that died and was
     started again on its address, by `gyre up --watch` or `gyre run`); call it once the engine serves
     the step's version. Returns their ids."""
-    stats = gateway_admin(services, "GET", "/admin/stats")
     added = []
-    for engine in stats["engines"]:
-        if engine["state"] == "dead" and engine["url"] in engines:
-            gateway_admin(services, "POST", "/admin/engines", {"url": engine["url"]})
-            added.append(engine["engine_id"])
+    with gateway_admin(services) as admin:
+        for engine in admin.gateway_stats().engines:
+            if engine.state == "dead" and engine.url in engines:
+                admin.add_engine(engine.url)
+                added.append(engine.engine_id)
     return added
 
 
 def sleep_engines(services: Services, engines: list[str]) -> None:
     """Frees the engines' memory for training; one that cannot be reached (dead) holds none."""
-    for url in engines:
-        with contextlib.suppress(httpx.TransportError):
-            _engine(url, services, "POST", "/admin/sleep")
+    with _engine(services) as admin:
+        for url in engines:
+            with contextlib.suppress(httpx.TransportError):
+                admin.sleep(url)
 
 
 def prune_fast_dir(services: Services, version: int) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from engines.gateway.config import EngineSpec, GatewayConfig
-from engines.ports import free_port
+from engines.net import free_port
 from engines.rollout.config import EngineConfig, EngineServerConfig
 from trajectory_store.storage import StoreConfig
 

@@ -38,8 +38,9 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field
 
+from engines.admin import AdminClient, AdminError
 from engines.gateway.config import EngineSpec, GatewayConfig
-from engines.ports import free_port
+from engines.net import free_port
 from engines.rollout.config import EngineConfig, EngineServerConfig
 from trajectory_store.storage import StoreConfig
 
@@ -313,18 +314,17 @@ def _like_its_siblings(record: UpRecord, url: str) -> None:
     """A restarted engine serves what its live siblings serve (the version of the running step, or
     asleep while the trainer runs), not the policy it starts with; the gateway, which held it dead,
     takes it back at the next step (tasks/services/campaign.readd_dead_engines)."""
-    headers = {"Authorization": f"Bearer {record.engine_admin_token}"}
-    for sibling in record.engine_urls:
-        if sibling == url:
-            continue
-        with contextlib.suppress(httpx.HTTPError):
-            stats = httpx.get(f"{sibling}/admin/stats", headers=headers, timeout=10).json()
-            if stats.get("asleep"):
-                httpx.post(f"{url}/admin/sleep", headers=headers, timeout=60)
-            elif stats.get("weights_path"):
-                body = {"path": stats["weights_path"], "version": stats["policy_version"], "drop_kv": True}
-                httpx.post(f"{url}/admin/weights", json=body, headers=headers, timeout=600)
-            return
+    with AdminClient(engine_token=record.engine_admin_token, timeout_s=600) as admin:
+        for sibling in record.engine_urls:
+            if sibling == url:
+                continue
+            with contextlib.suppress(httpx.HTTPError, AdminError):
+                stats = admin.engine_stats(sibling)
+                if stats.asleep:
+                    admin.sleep(url)
+                elif stats.weights_path:
+                    admin.load_weights(url, stats.weights_path, stats.policy_version, drop_kv=True)
+                return
 
 
 def _note_revival(state: Path, old: ServiceRecord, new: ServiceRecord, api_url: str) -> None:

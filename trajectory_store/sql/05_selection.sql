@@ -27,7 +27,8 @@ SELECT execution_id, trajectory_id, leaf_node_id, role, agent_id, n_tokens, n_po
 FROM ranked
 WHERE rank <= j_max;
 
--- The training tree of each execution: the union of its selected trajectories' nodes.
+-- The training tree of each execution: the union of its selected trajectories' nodes (tree_nodes
+-- rows, with the behaviour logprobs of their policy tokens).
 CREATE OR REPLACE VIEW training_nodes AS
 WITH RECURSIVE chain(execution_id, owner, upto) AS (
     SELECT s.execution_id, s.trajectory_id, c.seg_end
@@ -42,25 +43,16 @@ WITH RECURSIVE chain(execution_id, owner, upto) AS (
 reach AS (SELECT execution_id, owner, max(upto) AS upto FROM chain GROUP BY ALL),
 nodes AS (
     SELECT n.*
-    FROM node_geometry n
+    FROM tree_nodes n
     JOIN reach r ON r.execution_id = n.execution_id AND r.owner = n.owner_call_id AND n.depth + n.n_tokens <= r.upto
 )
 SELECT
-    n.execution_id,
-    n.node_id,
-    n.parent_node_id,
-    n.depth,
-    n.n_tokens,
-    list_slice(c.new_ids, n.depth - n.owner_seg_start + 1, n.depth - n.owner_seg_start + n.n_tokens) AS token_ids,
-    n.is_policy,
-    n.call_id,
-    n.role,
+    n.* EXCLUDE (owner_call_id),
     CASE WHEN n.is_policy
         THEN list_slice(g.output_logprobs, n.depth - g.prompt_len + 1, n.depth - g.prompt_len + n.n_tokens)
     END AS behaviour_logprobs,
     g.policy_version
 FROM nodes n
-JOIN calls c ON c.execution_id = n.execution_id AND c.call_id = n.owner_call_id
 LEFT JOIN calls g ON g.execution_id = n.execution_id AND g.call_id = n.call_id;
 
 -- One row per policy token to train; weights sum to 1 per execution.

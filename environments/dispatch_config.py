@@ -1,0 +1,88 @@
+"""How a batch of executions runs: DispatchConfig (and its DurationProfile), the config that
+environments/dispatch.py and its runners (environments/runner.py) read; campaigns carry it as
+[dispatch] in their TOML."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from environments.harness import HarnessConfig
+
+
+@dataclass
+class DurationProfile:
+    """Heavy-tailed execution lengths: most short, ``long_fraction`` of them 10-50x longer."""
+
+    short_turns: int = 3
+    """Turn budget of a short execution."""
+    long_fraction: float = 0.2
+    """Fraction of executions that are long."""
+    long_factor: tuple[float, float] = (10.0, 50.0)
+    """A long execution gets short_turns times a factor drawn uniformly from this range."""
+
+    def turns(self, execution_id: str) -> int:
+        rng = random.Random(hashlib.md5(execution_id.encode()).hexdigest())
+        if rng.random() < self.long_fraction:
+            return max(1, round(self.short_turns * rng.uniform(*self.long_factor)))
+        return self.short_turns
+
+
+@dataclass
+class DispatchConfig:
+    """How a batch of executions runs."""
+
+    step: int = 0
+    group_size: int = 1
+    """Executions per problem (one GRPO group)."""
+    concurrency: int = 4
+    """Executions running at once."""
+    timeout_s: float = 120.0
+    """Deadline of one execution (harness wall clock); then snapshot + grade."""
+    grader_retries: int = 2
+    """Extra attempts of a failing grader before the execution is eval_failed."""
+    grade_timeout_s: float = 60.0
+    durations: DurationProfile = field(default_factory=DurationProfile)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    harness_command: list[str] | None = None
+    """An external harness: argv template with {base_url} {api_key} {workspace} {instruction_file};
+    None runs the built-in harness."""
+    harness_name: str | None = None
+    """Recorded in executions.harness (default: 'builtin' or the command's program name)."""
+    workspace_root: str | None = None
+    """Where workspaces go (default: a fresh temporary folder, removed at the end)."""
+    keep_workspaces: bool = False
+    workspace_disk_bytes: int | None = 512 << 20
+    """Disk quota of each workspace (a tmpfs of this size; None: a plain folder, no quota)."""
+    workspace_files: int = 50_000
+    """Files and folders a workspace may hold (with a quota)."""
+    run_id: str | None = None
+    """Appended to every execution and group id (s0-p-g0-<run_id>), so a second run of the same
+    problems at the same step makes new executions; None: ids are (step, problem, member) alone,
+    the same for a retried step (retry-safe)."""
+    campaign: str | None = None
+    """Record the executions in this campaign of the gateway's data root (None: the gateway's own);
+    a held-out evaluation beside a training campaign uses one."""
+    harness_zygote: bool = True
+    """Start the built-in harness by forking a process that imported it once (environments/zygote.py):
+    the same process, session and environment as ``python -m environments.harness``, without its
+    ~1.2 s of CPU for imports per execution. False: a fresh interpreter per execution."""
+    snapshot_completed: bool = False
+    """Also store the final workspace of every completed execution (source 'final' in the snapshots
+    dataset), so `gyre sql` can compare it with timed-out ones; timeouts are always snapshotted."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DispatchConfig:
+        data = dict(data)
+        durations = data.pop("durations", None)
+        harness = data.pop("harness", None)
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown dispatch config fields {sorted(unknown)}")
+        return cls(
+            **data,
+            durations=DurationProfile(**durations) if isinstance(durations, dict) else DurationProfile(),
+            harness=HarnessConfig.from_dict(harness) if isinstance(harness, dict) else HarnessConfig(),
+        )
