@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from engines.train.run import TrainStepReport
 from flows.config import CampaignConfig
-from tasks.campaign import StepRecord, commit_step, record_evaluation
+from tasks.campaign import StepTimes, commit_step, record_evaluation
 from tasks.tracking import open_commands, sync_campaign
 from trajectory_store.storage import StoreConfig
 from trajectory_store.tracking import TrackingConfig, flat_params, step_point
@@ -41,15 +42,23 @@ def step_metrics(step: int) -> dict[str, float]:
 
 
 def commit(store: StoreConfig, step: int) -> None:
-    record = StepRecord(
+    """The step committed as both step paths commit one (tasks/campaign.py commit_step)."""
+    figures = step_metrics(step)
+    trainer = {name: figures.pop(name) for name in ("entropy", "grad_norm", "tokens_trained")}
+    figures.pop("version")  # commit_step writes it from the report
+    ended = T0 + 60 * step
+    started = ended - figures.pop("step_s")  # and the step's seconds from its times
+    report = TrainStepReport(
         step=step,
         version=step + 1,
+        trained=True,
+        metrics=trainer,
         checkpoint_url=f"/ckpt/step={step}",
         policy_uri=f"/policy/v{step + 1}",
-        metrics=step_metrics(step),
-        committed_at=T0 + 60 * step,
+        policy_path=f"/fast/policy-v{step + 1}.safetensors",
+        seconds=5.0,
     )
-    commit_step.fn(store, step, record)
+    commit_step.fn(store, report, figures, StepTimes(started=started, rolled_out=started + 4.0, ended=ended))
 
 
 def evaluate(store: StoreConfig, version: int) -> None:
@@ -279,5 +288,5 @@ def test_the_mlflow_ui_shows_the_campaign_run_and_its_charts(tmp_path):
     out = tmp_path / "mlflow.png"
     uri = config.tracking.targets(store.data_root, store.campaign).mlflow_uri
     drawn, charts = mlflow_screenshot(uri, synced.experiment_id, synced.run_id, str(out))
-    assert charts == 15 and drawn == charts  # 9 figures of a step and 4 of an evaluation, and 2 markers
+    assert charts == 17 and drawn == charts  # 11 figures of a step, 4 of an evaluation, 2 markers
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
