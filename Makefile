@@ -1,5 +1,6 @@
 # make run  : install (or refresh) .venv, then gyre run: the services (gyre up) and the demo campaign.
-# make screenshot : bench/results/ui.png, a campaign in the Prefect UI (headless chromium).
+# make screenshot : bench/results/ui.png and mlflow.png: a campaign in the Prefect UI, and the demo
+#                   campaign's run in the MLflow UI (after make run; headless chromium).
 # make test : install (or refresh) .venv, then lint (ruff, the layer contracts, deptry) and run the tests.
 # make docs : the documentation site (MkDocs, strict: a broken link or a missing page fails) in site/.
 PY ?= python3
@@ -9,6 +10,7 @@ PIP := $(BIN)/pip install -q -c constraints.txt
 STAMP := $(VENV)/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: install run test lint docs bench clean screenshot browser
 
@@ -54,6 +56,7 @@ bench: install
 
 screenshot: install browser
 	$(BIN)/gyre bench ui --out bench/results/ui.png
+	$(BIN)/gyre bench ui --mlflow --out bench/results/mlflow.png
 
 clean:
 	rm -rf $(VENV) gyre-data site .pytest_cache .ruff_cache

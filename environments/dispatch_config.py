@@ -35,6 +35,7 @@ class DispatchConfig:
     """How a batch of executions runs."""
 
     step: int = 0
+    """The step the executions belong to (ids and the store's partition); a campaign sets it per step."""
     group_size: int = 1
     """Executions per problem (one GRPO group)."""
     concurrency: int = 4
@@ -44,6 +45,7 @@ class DispatchConfig:
     grader_retries: int = 2
     """Extra attempts of a failing grader before the execution is eval_failed."""
     grade_timeout_s: float = 60.0
+    """Deadline of one grading of a workspace (the hidden checks), per attempt."""
     durations: DurationProfile = field(default_factory=DurationProfile)
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     harness_command: list[str] | None = None
@@ -54,6 +56,7 @@ class DispatchConfig:
     workspace_root: str | None = None
     """Where workspaces go (default: a fresh temporary folder, removed at the end)."""
     keep_workspaces: bool = False
+    """Leave each execution's workspace on disk after it is graded (to look at what an agent did)."""
     workspace_disk_bytes: int | None = 512 << 20
     """Disk quota of each workspace (a tmpfs of this size; None: a plain folder, no quota)."""
     workspace_files: int = 50_000

@@ -91,12 +91,15 @@ class HarnessConfig:
     max_tokens: int = 192
     """Output tokens per call."""
     summary_max_tokens: int = 128
+    """Output tokens of a summary (context-compression) call."""
     temperature: float = 1.0
+    """Sampling temperature of every call (0: greedy)."""
     max_retries: int = 2
     """Re-samples from the same context after a failed call or step (each one is a branch)."""
     seed: int = 0
     """Base sampling seed; every call gets its own seed derived from it, so reruns are reproducible."""
     command_timeout_s: float = 20.0
+    """Wall-clock limit of one shell command the agent runs (the sandbox kills it there)."""
     limits: SandboxLimits = field(default_factory=SandboxLimits)
 
     @classmethod

@@ -78,8 +78,15 @@ class ProblemsConfig(BaseModel):
     suites: list[Literal["repo", "swe", "terminal"]] = Field(
         default_factory=lambda: ["repo"], description="generated suites, taken round-robin"
     )
-    difficulty: int = Field(1, ge=1)
-    length: int = Field(1, ge=1)
+    difficulty: int = Field(
+        1,
+        ge=1,
+        description="how many required items a problem has (files to change, functions to write, bugs to "
+        "fix) and how many distracting files",
+    )
+    length: int = Field(
+        1, ge=1, description="how much text each item carries (lines, expression size, module size)"
+    )
     per_step: int = Field(4, ge=1, description="problems (groups) per step")
     seed: int = Field(
         5000,
@@ -92,7 +99,9 @@ class ProblemsConfig(BaseModel):
         "more problems while some group has none (at most top_up_rounds rounds of per_step problems), "
         "then skip those left; or keep them (advantage 0, they count in the loss's average)",
     )
-    top_up_rounds: int = Field(1, ge=0)
+    top_up_rounds: int = Field(
+        1, ge=0, description='rounds of per_step more problems at most, with zero_signal = "top_up"'
+    )
     pool: int = Field(
         0,
         ge=0,

@@ -204,10 +204,16 @@ def test_defaults_an_s3_data_root_a_server_and_turning_a_tracker_off(tmp_path, m
     assert sqlite.mlflow_uri == f"sqlite:///{tmp_path}/runs.db"
 
     commands = open_commands(TrackingConfig(), StoreConfig(data_root=str(tmp_path / "data"), campaign="demo"))
+    # the programs as commands that run: the virtual environment's scripts, which need not be on PATH
+    mlflow, tensorboard = commands[0].split()[2], commands[1].split()[1]
+    assert Path(mlflow).name == "mlflow" and os.access(mlflow, os.X_OK)
+    assert Path(tensorboard).name == "tensorboard" and os.access(tensorboard, os.X_OK)
     assert commands[0].startswith(
-        "MLflow: MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri sqlite:///"
+        f"MLflow: MLFLOW_DISABLE_TELEMETRY=true {mlflow} ui --backend-store-uri sqlite:///{tmp_path}/data/"
     )
-    assert commands[1].startswith(f"TensorBoard: tensorboard --logdir {tmp_path}/data/tracking/tensorboard ")
+    assert commands[1].startswith(
+        f"TensorBoard: {tensorboard} --logdir {tmp_path}/data/tracking/tensorboard "
+    )
 
     toml = tmp_path / "c.toml"
     toml.write_text('[tracking]\nmlflow = ""\ntensorboard = ""\n')

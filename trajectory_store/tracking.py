@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -150,15 +151,27 @@ class TrackingTargets(BaseModel):
             lines.append(f"MLflow: {uri} (experiment {self.experiment}, run {self.campaign})")
         elif uri:
             lines.append(
-                f"MLflow: MLFLOW_DISABLE_TELEMETRY=true mlflow ui --backend-store-uri {uri} --port 5000  "
+                f"MLflow: MLFLOW_DISABLE_TELEMETRY=true {_program('mlflow')} ui --backend-store-uri {uri} "
+                "--port 5000  "
                 f"then http://127.0.0.1:5000 (experiment {self.experiment}, run {self.campaign})"
             )
         if self.tensorboard_root:
             lines.append(
-                f"TensorBoard: tensorboard --logdir {self.tensorboard_root} --port 6006  "
+                f"TensorBoard: {_program('tensorboard')} --logdir {self.tensorboard_root} --port 6006  "
                 f"then http://127.0.0.1:6006 (run {self.campaign})"
             )
         return lines
+
+
+def _program(name: str) -> str:
+    """``name`` as a command that runs: the script beside this interpreter (the virtual environment's
+    bin/, which need not be on PATH), relative to the working folder when it is below it."""
+    script = Path(sys.executable).parent / name
+    if not script.exists():
+        return name
+    with contextlib.suppress(ValueError):
+        return str(script.relative_to(Path.cwd()))
+    return str(script)
 
 
 def tracking_root(data_root: str) -> str:

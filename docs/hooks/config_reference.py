@@ -11,8 +11,9 @@
   docstring written under the field (the dataclass habit). A section's intro is its class
   docstring. Where each class lives is read from the class itself, so moving a config class to
   another module changes nothing here, and a new key shows up without editing the docs.
-- `assets/ui.png`: the screenshot `make screenshot` writes to bench/results/ui.png, copied into
-  the site at build time so git holds one copy of it.
+- `assets/ui.png` and `assets/mlflow.png`: the screenshots `make screenshot` writes to
+  bench/results/ (the Prefect UI, the MLflow UI), copied into the site at build time so git holds
+  one copy of each.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = "reference/configuration.md"
-IMAGES = {"assets/ui.png": ROOT / "bench" / "results" / "ui.png"}
+IMAGES = {
+    "assets/ui.png": ROOT / "bench" / "results" / "ui.png",
+    "assets/mlflow.png": ROOT / "bench" / "results" / "mlflow.png",
+}
 
 
 @dataclasses.dataclass

@@ -24,9 +24,11 @@ class TrainerConfig(BaseModel):
     """The core cell's optimizer and DeepSpeed settings; satellites only need the loss."""
 
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.999))
-    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.999), description="AdamW's (momentum, second-moment) decay rates; 0 first: no momentum"
+    )
+    eps: float = Field(1e-8, gt=0, description="AdamW's denominator floor (1e-3: near-SGD steps)")
     max_grad_norm: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 turns it off")
     zero_stage: Literal[0, 1, 2] = Field(
         1,
