@@ -298,6 +298,8 @@ class Progress:
                     completed,
                     head + f"evaluating version {done}: {evaluated}/{expected} held-out executions",
                 )
+        if done >= self.config.steps:  # every step committed (the last evaluation, if running, is above)
+            return completed, head.removesuffix("; ")
         reward = f", mean reward {sum(rewards) / len(rewards):.2f}" if rewards else ""
         return completed, head + f"step {done}: {len(current)}/{self.expected} executions{reward}"
 
