@@ -186,7 +186,8 @@ def campaign_audit(config_path: Path, name: str) -> tuple[dict[str, int], dict[s
     from bench.faults_step import audit
     from environments.problems import Problem
     from flows.config import CampaignConfig
-    from tasks.campaign import choose_problems, committed_steps
+    from tasks.campaign import choose_problems
+    from tasks.commit import committed_steps
 
     config = CampaignConfig.from_toml(str(config_path)).merged({"name": name})
     store = config.store.model_copy(update={"campaign": name})

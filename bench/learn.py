@@ -31,7 +31,7 @@ from typing import Any
 from bench.signal import VALIDATION_SEED  # neither held-out (0), demonstrations (1000+) nor training (5000+)
 from flows.campaign import campaign, campaign_store
 from flows.config import CampaignConfig
-from tasks.campaign import committed_evaluations
+from tasks.commit import committed_evaluations
 from tasks.report import gave_up_by_step, held_out_gain
 
 DEFAULT_OUT = "bench/results/learn.json"

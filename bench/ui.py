@@ -328,7 +328,7 @@ def mlflow_screenshot(
 
 def mlflow_main(out: str = "bench/results/mlflow.png", config_path: str = "configs/demo.toml") -> int:
     from flows.config import CampaignConfig
-    from tasks.campaign import committed_steps
+    from tasks.commit import committed_steps
     from tasks.tracking import sync_campaign
 
     config = CampaignConfig.from_toml(config_path)

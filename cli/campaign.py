@@ -278,7 +278,7 @@ class Progress:
 
     def state(self) -> tuple[float, str]:
         """(steps done, a fraction of the current step included; what the bar says)."""
-        from tasks.campaign import committed_steps
+        from tasks.commit import committed_steps
         from trajectory_store.storage import Store, StoreConfig
 
         store: StoreConfig = self.config.store.model_copy(update={"campaign": self.config.name})
@@ -329,7 +329,7 @@ def _run(args: argparse.Namespace) -> int:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.campaign import campaign
-    from tasks.campaign import committed_evaluations, committed_steps
+    from tasks.commit import committed_evaluations, committed_steps
 
     started = time.time()
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY

@@ -12,7 +12,7 @@ idempotent against the store (tasks/campaign.py says how).
 One step, top to bottom (each line a task): serve version n -> choose problems -> roll out (dispatch,
 record, grade, snapshots for timeouts) -> [top up zero-signal groups] -> pack (trees, selection,
 group-relative advantages, staleness) -> free the engines -> train (version n -> n + 1, checkpoint,
-publish) -> commit (tasks/campaign.py commit_step: the one recipe of a committed step, which the
+publish) -> commit (tasks/commit.py commit_step: the one recipe of a committed step, which the
 scheduler's steps commit through too). The placement (which engines serve, which cells train) comes from
 tasks/services/placement.py; this issue's is Colocate.
 """
@@ -28,21 +28,23 @@ from flows.config import CampaignConfig
 from tasks.campaign import (
     BatchSummary,
     StepProgress,
-    StepRecord,
-    StepTimes,
     choose_problems,
-    commit_step,
-    committed_evaluations,
-    committed_steps,
     evaluate,
     free_engines,
     held_out_problems,
-    last_committed,
     pack_step,
-    prune_checkpoints,
-    record_evaluation,
     roll_out,
     serve,
+)
+from tasks.commit import (
+    StepRecord,
+    StepTimes,
+    commit_step,
+    committed_evaluations,
+    committed_steps,
+    last_committed,
+    prune_checkpoints,
+    record_evaluation,
 )
 from tasks.report import campaign_summary, role_timeline, start_progress, step_table, update_progress
 from tasks.schedule import ScheduleJob, run_scheduler

@@ -145,7 +145,7 @@ def unknown_keys(section: type, data: dict[str, Any], where: str = "") -> list[s
     problems = []
     for key, value in data.items():
         if key not in fields:
-            near = difflib.get_close_matches(key, list(fields), n=2, cutoff=0.6)
+            near = difflib.get_close_matches(key, list(fields), n=2, cutoff=0.75)
             hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
             place = f"[{where}]" if where else "the top level"
             problems.append(

@@ -2,7 +2,7 @@
 summary with the reward and pass-rate curves as a PNG (a data: URI, so the UI needs no other URL);
 and what its held-out evaluations say, paired by problem (`gyre run`'s summary, `gyre bench learn`).
 
-Artifacts are written from the records the store holds (tasks/campaign.py), so a resumed campaign
+Artifacts are written from the records the store holds (tasks/commit.py), so a resumed campaign
 shows its earlier steps too. Keys are the campaign's name in lowercase letters, digits and dashes.
 
     gain = held_out_gain(eval_store, before=0, after=4)   # pass-rate gain, its paired 95% interval,
@@ -27,7 +27,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tasks.campaign import StepRecord
+from tasks.commit import StepRecord
 from trajectory_store.storage import Store, StoreConfig
 
 STEP_COLUMNS = (

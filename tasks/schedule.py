@@ -11,7 +11,7 @@
 
 ``CampaignRuntime`` is scheduler.service.Campaign on real services: one execution through the
 dispatcher, one group packed as a chunk, the core's streaming step (tasks/train.py CoreService),
-engine weights, a step's work, and the commit of a step through tasks/campaign.py's commit_step (the
+engine weights, a step's work, and the commit of a step through tasks/commit.py's commit_step (the
 same recipe as the step flow's).
 """
 
@@ -49,16 +49,8 @@ from scheduler.cells import Switch
 from scheduler.controller import Chunk, StepWork
 from scheduler.report import Outcome, StepDone
 from scheduler.service import SchedulerConfig, cell_pool, schedule_steps
-from tasks.campaign import (
-    ProblemsConfig,
-    StepRecord,
-    StepTimes,
-    choose_problems,
-    commit_step,
-    last_committed,
-    write_metric_rows,
-    write_metrics,
-)
+from tasks.campaign import ProblemsConfig, choose_problems
+from tasks.commit import StepRecord, StepTimes, commit_step, last_committed, write_metric_rows, write_metrics
 from tasks.services.campaign import Services, policy_path, serve_version
 from tasks.train import CoreService, CoreStep, step_request
 from trajectory_store.config import PackingConfig, SelectionConfig
@@ -183,7 +175,7 @@ class CampaignRuntime:
         return StepWork(step, problems, self.config.group_size, finished)
 
     def commit(self, done: StepDone, report: TrainStepReport, switches: list[Switch]) -> int:
-        """The step through the campaign's one commit recipe (tasks/campaign.py commit_step): its
+        """The step through the campaign's one commit recipe (tasks/commit.py commit_step): its
         executions' figures as a step flow's (by status, abandoned too; reward, pass rate, tokens), the
         groups trained and skipped, and its switches (counted, p50 per direction, and one metrics row
         per switch and phase). Returns the version committed."""

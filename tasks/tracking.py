@@ -3,7 +3,7 @@
     track(config.tracking, store, config.model_dump(mode="json"), config.steps)
 
 The campaign flow calls it after each committed step and each held-out evaluation (flows/campaign.py),
-on both step paths. It reads what the store holds (tasks/campaign.py: committed steps, recorded
+on both step paths. It reads what the store holds (tasks/commit.py: committed steps, recorded
 evaluations) and logs what a tracker lacks (trajectory_store/tracking.py says how and under which
 names), so it can run any number of times, in any process. The trackers are views: a sync that fails
 (a tracking server down) is logged as a warning and the campaign goes on; the next one catches up.
@@ -11,16 +11,15 @@ names), so it can run any number of times, in any process. The trackers are view
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from tasks.campaign import committed_evaluations, committed_steps
+from tasks.commit import committed_steps, recorded_evaluations
 from tasks.report import curves_png
-from trajectory_store.storage import Store, StoreConfig
+from trajectory_store.storage import StoreConfig
 from trajectory_store.tracking import (
     EVALUATION_MARKER,
     STEP_MARKER,
@@ -43,22 +42,6 @@ class TrackingReport(BaseModel):
     tensorboard_evaluations: list[int]
 
 
-def evaluation_times(store: StoreConfig) -> dict[int, float]:
-    """When each held-out evaluation was recorded (its figures: committed_evaluations)."""
-    target = Store(store)
-    base = target.path("evaluations")
-    if not target.fs.exists(base):
-        return {}
-    found = {}
-    for path in target.fs.find(base):
-        name = path.rsplit("/", 1)[-1]
-        if name.startswith("version=") and name.endswith(".json"):
-            found[int(name[len("version=") : -len(".json")])] = float(
-                json.loads(target.read_bytes(path))["t"]
-            )
-    return found
-
-
 def sync_campaign(
     tracking: TrackingConfig, store: StoreConfig, params: dict[str, Any], steps: int
 ) -> TrackingReport:
@@ -67,10 +50,10 @@ def sync_campaign(
     are committed and the last version evaluated."""
     targets = tracking.targets(store.data_root, store.campaign)
     records = committed_steps(store)
-    evaluations = committed_evaluations(store)
-    times = evaluation_times(store)
+    recorded = recorded_evaluations(store)
+    evaluations = {version: stored["figures"] for version, stored in recorded.items()}
     points = [step_point(r.step, r.version, r.committed_at, r.metrics) for r in records]
-    points += [evaluation_point(v, times[v], figures) for v, figures in evaluations.items()]
+    points += [evaluation_point(v, float(stored["t"]), stored["figures"]) for v, stored in recorded.items()]
     finished = steps > 0 and {r.step for r in records} >= set(range(steps)) and steps in evaluations
 
     mlflow = None

@@ -8,7 +8,8 @@ import duckdb
 import pytest
 
 from flows.config import CampaignConfig
-from tasks.campaign import committed_steps, problems_for
+from tasks.campaign import problems_for
+from tasks.commit import committed_steps
 from trajectory_store.config import SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.storage import Store

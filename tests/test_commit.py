@@ -1,4 +1,4 @@
-"""The one recipe of a committed step (tasks/campaign.py commit_step), which the step flow and the
+"""The one recipe of a committed step (tasks/commit.py commit_step), which the step flow and the
 scheduler both commit through: the trainer's report, the step's figures and its times make the record;
 a retried commit keeps the first record; the metrics part holds the record's figures."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from engines.train.run import TrainStepReport
 from scheduler.cells import Switch
-from tasks.campaign import StepTimes, commit_step, committed_steps
+from tasks.commit import StepTimes, commit_step, committed_steps
 from tasks.schedule import switch_figures
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig

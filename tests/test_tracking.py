@@ -16,7 +16,7 @@ import pytest
 
 from engines.train.run import TrainStepReport
 from flows.config import CampaignConfig
-from tasks.campaign import StepTimes, commit_step, record_evaluation
+from tasks.commit import StepTimes, commit_step, record_evaluation
 from tasks.tracking import open_commands, sync_campaign
 from trajectory_store.storage import StoreConfig
 from trajectory_store.tracking import TrackingConfig, flat_params, step_point
@@ -42,7 +42,7 @@ def step_metrics(step: int) -> dict[str, float]:
 
 
 def commit(store: StoreConfig, step: int) -> None:
-    """The step committed as both step paths commit one (tasks/campaign.py commit_step)."""
+    """The step committed as both step paths commit one (tasks/commit.py commit_step)."""
     figures = step_metrics(step)
     trainer = {name: figures.pop(name) for name in ("entropy", "grad_norm", "tokens_trained")}
     figures.pop("version")  # commit_step writes it from the report

@@ -14,7 +14,7 @@ were equal, so every advantage is 0) still makes a policy version, without an op
 "step n trains version n into version n + 1" holds for every step.
 
 Order of writes: checkpoint, then the published policy; the campaign marks the step committed only
-after both (tasks/campaign.py), so a crash in between leaves an uncommitted step that is redone.
+after both (tasks/commit.py), so a crash in between leaves an uncommitted step that is redone.
 """
 
 from __future__ import annotations
