@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
+from tests.campaign_fixtures import tracked_steps
 from tests.records import assert_same_records, record_key
 from trajectory_store.storage import Store
 
@@ -360,7 +361,8 @@ def test_gyre_run_starts_the_services_runs_a_campaign_and_gyre_down_stops_them(t
         tracking = tmp_path / "data" / "tracking"
         assert f"--backend-store-uri sqlite:///{tracking / 'mlflow.db'}" in done.stdout
         assert f"--logdir {tracking / 'tensorboard'}" in done.stdout
-        _read_back_trackers(tracking, "clirun")
+        steps = tracked_steps(tracking, "clirun", ["train/reward", "eval/pass_rate"])
+        assert steps == {"train/reward": ([0], [0]), "eval/pass_rate": ([0, 1], [0, 1])}
         status = run("status", "--config", str(config))
         assert status.returncode == 0, status.stdout
         assert all(name in status.stdout for name in ("prefect", "engine-0", "gateway"))
@@ -368,25 +370,6 @@ def test_gyre_run_starts_the_services_runs_a_campaign_and_gyre_down_stops_them(t
         down = run("down", "--config", str(config))
     assert "stopped gateway, engine-0, prefect" in down.stdout
     assert "no services of gyre up" in run("status", "--config", str(config)).stdout
-
-
-def _read_back_trackers(tracking: Path, campaign: str) -> None:
-    """One step and the evaluations of versions 0 and 1, in MLflow (its client) and in TensorBoard
-    (its event reader), each logged once."""
-    from mlflow.tracking import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    client = MlflowClient(f"sqlite:///{tracking / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("gyrerl")
-    (run,) = client.search_runs([experiment.experiment_id], f"tags.`gyre.campaign` = '{campaign}'")
-    assert run.data.params["steps"] == "1" and run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/reward")] == [0]
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/pass_rate")] == [0, 1]
-    assert "curves.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
-    events = EventAccumulator(str(tracking / "tensorboard" / campaign))
-    events.Reload()
-    assert [e.step for e in events.Scalars("train/reward")] == [0]
-    assert [e.step for e in events.Scalars("eval/pass_rate")] == [0, 1]
 
 
 def test_deploy_and_worker_without_a_server_say_how_to_get_one(tmp_path, capsys, monkeypatch):

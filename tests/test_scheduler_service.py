@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from flows.campaign import campaign
-from tests.campaign_fixtures import tiny_campaign, tiny_policy
+from tests.campaign_fixtures import tiny_campaign, tiny_policy, tracked_steps
 from trajectory_store.db import connect
 from trajectory_store.storage import Store
 
@@ -105,6 +105,11 @@ def test_a_killed_scheduler_is_restarted_from_the_store(prefect_harness, tmp_pat
     abandoned = sum(status == "abandoned" for _, status, _ in recorded)
     assert [r.metrics["executions"] for r in records] == [4.0]  # the ended ones
     assert sum(r.metrics.get("executions_abandoned", 0) for r in records) == abandoned >= 1
+    # MLflow and TensorBoard hold the step once (its scheduler was killed and restarted within it),
+    # with its role-switch latency, and both evaluations
+    names = ["train/version", "switch/to_train_p50_s", "eval/pass_rate"]
+    tracked = tracked_steps(tmp_path / "data" / "tracking", config.name, names)
+    assert tracked == {name: (steps, steps) for name, steps in zip(names, ([0], [0], [0, 1]), strict=True)}
 
 
 def test_a_killed_scheduler_is_noticed_by_its_exit_while_its_children_hold_the_pipe():
