@@ -31,10 +31,13 @@ class TrainerConfig(BaseModel):
     eps: float = Field(1e-8, gt=0, description="AdamW's denominator floor (1e-3: near-SGD steps)")
     max_grad_norm: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 turns it off")
     zero_stage: Literal[0, 1, 2] = Field(
-        1,
-        description="DeepSpeed ZeRO stage of the core cell. Stage 3 shards parameters across a DeepSpeed "
-        "world and is not supported by the elastic core yet (the satellites' gradients are injected "
-        "into the core's full parameters)",
+        0,
+        description="DeepSpeed ZeRO stage of the core cell. The core is a one-rank DeepSpeed world, so no "
+        "stage shards anything; 0 steps the module's own parameters (in float32: one full-precision copy "
+        "of the policy), while 1 and 2 also keep a float32 master partition, a second copy in float32 "
+        "(python -m bench.train_memory counts them). Stage 3 shards parameters across a DeepSpeed world "
+        "and is not supported by the elastic core yet (the satellites' gradients are injected into the "
+        "core's full parameters)",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype (bfloat16 on GPUs)")
     mini_batches: int = Field(

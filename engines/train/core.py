@@ -6,13 +6,18 @@ satellites'), summed with one reduction, and injected into DeepSpeed with a surr
 always does (ZeRO stages 0-2). Every step makes a new policy version; ``publish`` writes it as
 safetensors to object storage and to a fast in-host path for engines and satellites on this host.
 
+One copy of the weights. The core's GradWorker computes on the engine's own module (its gradients
+come from ``torch.autograd.grad``, so DeepSpeed's gradient hooks, which fire only when a gradient
+accumulates into ``.grad``, never see them); in float32 at ZeRO stage 0 (the default) AdamW steps
+those same parameters, so the trainer holds one full-precision copy of the policy. In bfloat16 the
+module is bf16 and DeepSpeed keeps the one fp32 master. ``python -m bench.train_memory`` counts them.
+
 DeepSpeed on CPU JIT-compiles its deepspeed_shm_comm op with g++ on first initialize (tens of
 seconds, and it fails without a compiler); the core never uses that op, so it is switched off.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import tempfile
@@ -85,7 +90,7 @@ class CoreTrainer:
     """The core cell's trainer. Attributes, as a table of contents:
 
     engine     the DeepSpeed engine (weights + optimizer)
-    worker     the core's own GradWorker (a plain copy of the model, loaded with the current weights)
+    worker     the core's own GradWorker, on the engine's module (no copy of the weights)
     version    policy version of the current weights (one per step)
     step       steps taken (a step is one optimizer update, or several: TrainerConfig.mini_batches/epochs)
     """
@@ -112,12 +117,11 @@ class CoreTrainer:
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
         }
-        worker_model = copy.deepcopy(model)
         self.engine, self.optimizer, _, _ = _deepspeed().initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
         )
         self.params = [p for p in self.engine.module.parameters() if p.requires_grad]
-        self.worker = GradWorker(worker_model, config.loss)
+        self.worker = GradWorker(self.engine.module, config.loss)
         self.version = version
         self.step = step
         self.last_grad_norm = 0.0
@@ -127,7 +131,9 @@ class CoreTrainer:
         return {k: v.detach().float().clone() for k, v in self.engine.module.state_dict().items()}
 
     def sync_worker(self) -> None:
-        self.worker.load_weights(self.weights(), self.version)
+        """The worker computes on the engine's module, so it always has the current weights: only
+        the version it reports moves."""
+        self.worker.version = self.version
 
     def apply(self, grad: torch.Tensor, *, new_version: bool = True) -> float:
         """One optimizer update with the given flat gradient sum; returns the pre-clip gradient norm.

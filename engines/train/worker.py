@@ -122,17 +122,18 @@ class GradWorker:
         ``n_executions`` None: the step's normalizer is not known yet (a streaming step), so the
         gradient and loss are added unnormalized and the core divides the reduced sum by it."""
         self.model.train()
-        for param in self.params:
-            param.grad = None
         normalizer = 1 if n_executions is None else n_executions  # x / 1 is exact: unnormalized
         terms, targets = sequence_loss(self.model, sequence, normalizer, self.loss_config)
-        terms.loss.backward()
+        # autograd.grad, not backward: nothing accumulates into .grad, so the core's DeepSpeed engine,
+        # whose module this may be, sees no gradient through its hooks (core.py)
+        grads = torch.autograd.grad(terms.loss, self.params, allow_unused=True)
         offset = 0
-        for param in self.params:
+        for param, grad in zip(self.params, grads, strict=True):
             n = param.numel()
-            if param.grad is not None:
-                self.grad[offset : offset + n] += param.grad.detach().reshape(-1).double().cpu()
+            if grad is not None:
+                self.grad[offset : offset + n] += grad.detach().reshape(-1).double().cpu()
             offset += n
+        del grads
         lags = version - sequence.policy_versions[targets]
         return StepStats(
             micro_batches=[index],
