@@ -23,8 +23,12 @@ def init_model(
     seed: int = 0,
     force: bool = False,
     s3_endpoint_url: str | None = None,
+    family: str = "qwen2",
 ) -> InitResult:
     """The model's files at ``out`` (any fsspec URL) and what they hold."""
     return build.init_model(
-        ModelConfig(preset=preset, seed=seed), out, force=force, s3_endpoint_url=s3_endpoint_url
+        ModelConfig(preset=preset, seed=seed, family=family),
+        out,
+        force=force,
+        s3_endpoint_url=s3_endpoint_url,
     )

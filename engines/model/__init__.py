@@ -1,4 +1,5 @@
-"""The policy model: a Qwen2 causal LM and a locally trained byte-level BPE tokenizer, in HF format.
+"""The policy model: a causal LM (Qwen2 by default; Qwen3, Llama, Mistral) and a locally trained
+byte-level BPE tokenizer, in HF format; or any user folder of those families (policy.py).
 
     gyre model init --preset tiny --out ./models/tiny [--seed 0] [--force]
     gyre model init --preset gpu-0.5b --out s3://bucket/models/p0 [--s3-endpoint-url URL]
@@ -26,6 +27,9 @@ Pieces:
     corpus.py    the deterministic tokenizer-training corpus
     tokenizer.py build_tokenizer / save_tokenizer: byte-level BPE + ChatML special tokens
     chat.py      CHAT_TEMPLATE (Qwen2.5 tools format) and parse_tool_calls; pure Python
+    families.py  the families gyre builds (qwen2, qwen3, llama, mistral): tokens, chat template, tool format
+    tool_calls.py  the tool-call formats and their parsers (Qwen/Hermes, Llama 3 JSON, Mistral); pure Python
+    policy.py    inspect_policy: checks a user's HF folder (architecture, tokenizer, template, tool format)
     build.py     build_model (seeded per-parameter init), count_parameters, init_model
     storage.py   publish a folder to any fsspec URL, fetch one into the local cache
     weights.py   weight files: versioned safetensors (save_weights / read_weights), load_model from an

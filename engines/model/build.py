@@ -1,4 +1,5 @@
-"""Builds a policy model from a `ModelConfig`: Qwen2 config, seeded random weights, HF-format folder.
+"""Builds a policy model from a `ModelConfig`: its family's config (Qwen2 by default; Qwen3, Llama or
+Mistral with ``family``), seeded random weights, HF-format folder.
 
 `init_model` is the whole of ``gyre model init``: check the destination, train the tokenizer, build
 the model, save both into a local temporary folder, then publish the files to the destination (any
@@ -15,11 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 from transformers.initialization import no_init_weights
 
-from engines.model.chat import ENDOFTEXT, IM_END
+from engines.model.chat import ENDOFTEXT
 from engines.model.config import ModelConfig
+from engines.model.families import FAMILIES
 from engines.model.storage import check_destination, publish_folder
 from engines.model.tokenizer import build_tokenizer, save_tokenizer
 
@@ -33,6 +43,7 @@ class InitResult:
     out: str
     """the destination URL, as given"""
     preset: str
+    family: str
     seed: int
     dtype: str
     parameters: int
@@ -66,29 +77,64 @@ def qwen2_config(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwe
     )
 
 
-def generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
-    """Stops at the end of a chat turn or of a document, like Qwen2.5-Instruct."""
-    endoftext = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    return GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext], pad_token_id=endoftext)
+def family_config(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """The transformers config of ``config``'s preset in its family's architecture (Qwen2: `qwen2_config`)."""
+    if config.family == "qwen2":
+        return qwen2_config(config, tokenizer)
+    family, shape = FAMILIES[config.family], config.shape
+    bos = tokenizer.convert_tokens_to_ids(family.bos or family.pad)
+    extra = {"head_dim": shape.hidden_size // shape.num_attention_heads}
+    if config.family == "qwen3":
+        extra.update(use_sliding_window=False)
+    if config.family == "mistral":
+        extra.update(sliding_window=None)
+    return AutoConfig.for_model(
+        family.model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        tie_word_embeddings=shape.tie_word_embeddings,
+        initializer_range=config.initializer_range,
+        rms_norm_eps=1e-6,
+        bos_token_id=bos,
+        eos_token_id=tokenizer.convert_tokens_to_ids(family.eos),
+        pad_token_id=tokenizer.convert_tokens_to_ids(family.pad),
+        attn_implementation=ATTN_IMPLEMENTATION,
+        dtype=config.resolved_dtype(),
+        **extra,
+    )
 
 
-def build_model(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    """A randomly initialized Qwen2ForCausalLM in ``config``'s dtype, in eval mode, on the CPU."""
-    hf_config = qwen2_config(config, tokenizer)
+def generation_config(tokenizer: PreTrainedTokenizerFast, family: str = "qwen2") -> GenerationConfig:
+    """Stops at the end of a chat turn or of a document, like the family's instruct models."""
+    chosen = FAMILIES[family]
+    bos = tokenizer.convert_tokens_to_ids(chosen.bos or ENDOFTEXT)
+    stops = [tokenizer.convert_tokens_to_ids(token) for token in chosen.stops]
+    pad = tokenizer.convert_tokens_to_ids(chosen.pad)
+    return GenerationConfig(bos_token_id=bos, eos_token_id=stops, pad_token_id=pad)
+
+
+def build_model(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """A randomly initialized causal LM of ``config``'s family, in its dtype, in eval mode, on the CPU."""
+    hf_config = family_config(config, tokenizer)
     with no_init_weights():  # every parameter is drawn below; skip transformers' own (global-RNG) init
-        model = Qwen2ForCausalLM(hf_config)
+        model = AutoModelForCausalLM.from_config(hf_config)
     model.tie_weights()  # init_weights, skipped above, is also what ties the output projection
     if hf_config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("the output projection is not tied to the embedding")
     initialize_weights(model, config.seed, config.initializer_range)
-    model.generation_config = generation_config(tokenizer)
+    model.generation_config = generation_config(tokenizer, config.family)
     return model.to(getattr(torch, config.resolved_dtype())).eval()
 
 
 @torch.no_grad()
 def initialize_weights(model: torch.nn.Module, seed: int, std: float) -> None:
-    """Qwen2's init (matrices ~ N(0, std), biases 0, RMSNorm scales 1), seeded per parameter name."""
+    """Qwen2's (and Llama's) init (matrices ~ N(0, std), biases 0, RMSNorm scales 1), seeded per parameter name."""
     for name, parameter in model.named_parameters():  # a tied weight appears once, under its first name
         owner = model.get_submodule(name.rpartition(".")[0])
         if "RMSNorm" in type(owner).__name__:
@@ -108,18 +154,18 @@ def _parameter_seed(seed: int, name: str) -> int:
 
 def count_parameters(config: ModelConfig) -> int:
     """Distinct parameters of ``config``'s model, counted on the meta device (nothing is allocated)."""
-    tokenizer = build_tokenizer(config.resolved_vocab_size())
+    tokenizer = build_tokenizer(config.resolved_vocab_size(), family=config.family)
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(qwen2_config(config, tokenizer))
+        model = AutoModelForCausalLM.from_config(family_config(config, tokenizer))
     return sum(p.numel() for p in model.parameters())
 
 
 def save_model_folder(config: ModelConfig, folder: str | Path) -> tuple[int, int]:
     """Writes model + tokenizer into a local folder; returns (parameters, vocab size)."""
-    tokenizer = build_tokenizer(config.resolved_vocab_size())
+    tokenizer = build_tokenizer(config.resolved_vocab_size(), family=config.family)
     model = build_model(config, tokenizer)
     model.save_pretrained(folder)  # safetensors, one file up to 50 GB
-    save_tokenizer(tokenizer, folder)
+    save_tokenizer(tokenizer, folder, config.family)
     return sum(p.numel() for p in model.parameters()), len(tokenizer)
 
 
@@ -138,6 +184,7 @@ def init_model(
     return InitResult(
         out=out,
         preset=config.preset,
+        family=config.family,
         seed=config.seed,
         dtype=config.resolved_dtype(),
         parameters=parameters,

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from engines.model.families import FamilyName
+
 PresetName = Literal["tiny", "small", "gpu-0.5b", "gpu-1.5b"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -95,7 +97,12 @@ PRESETS: dict[str, Preset] = {
 class ModelConfig(BaseModel):
     """Which policy model to initialize. The same config always gives the same weights and tokenizer."""
 
-    preset: PresetName = Field("tiny", description="architecture: " + ", ".join(PRESETS))
+    preset: PresetName = Field("tiny", description="shape: " + ", ".join(PRESETS))
+    family: FamilyName = Field(
+        "qwen2",
+        description="architecture, tokenizer control tokens and chat format (engines/model/families.py): "
+        "qwen2, qwen3, llama, mistral",
+    )
     seed: int = Field(0, ge=0, description="seed of the weight init (the tokenizer does not depend on it)")
     vocab_size: int | None = Field(
         None,

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from engines.model.chat import CHAT_TEMPLATE, CONTROL_TOKENS, ENDOFTEXT, IM_END, TOOL_CALL_FORMAT, TOOL_TOKENS
 from engines.model.corpus import CORPUS_SEED, generate_corpus
+from engines.model.families import FAMILIES, Family
 
 # Qwen2's pre-tokenizer pattern (tokenizer.json of Qwen2.5): contractions, words with one leading
 # non-letter, single digits, punctuation runs, newlines, and spaces.
@@ -38,24 +38,29 @@ SPLIT_PATTERN = (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-SPECIAL_TOKENS = (*CONTROL_TOKENS, *TOOL_TOKENS)
+QWEN = FAMILIES["qwen2"]
+SPECIAL_TOKENS = (*QWEN.special, *QWEN.added)
 MODEL_MAX_LENGTH = 32768
 
 
-def build_tokenizer(vocab_size: int, corpus_seed: int = CORPUS_SEED) -> PreTrainedTokenizerFast:
-    """A transformers tokenizer with ``vocab_size`` ids in all (special tokens included) and the chat template."""
+def build_tokenizer(
+    vocab_size: int, corpus_seed: int = CORPUS_SEED, family: str = "qwen2"
+) -> PreTrainedTokenizerFast:
+    """A transformers tokenizer with ``vocab_size`` ids in all (special tokens included) and the chat
+    template of ``family`` (families.py): the same trained BPE, that family's control tokens after it."""
     from transformers import (
         PreTrainedTokenizerFast,
     )  # slow to import; train_tokenizer_json needs only tokenizers
 
-    backend = Tokenizer.from_str(trained_tokenizer_json(vocab_size, corpus_seed))
+    chosen = FAMILIES[family]
+    backend = Tokenizer.from_str(trained_tokenizer_json(vocab_size, corpus_seed, family))
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=None,
-        eos_token=IM_END,  # the end of an assistant turn; the model's generation config adds ENDOFTEXT
-        pad_token=ENDOFTEXT,
+        bos_token=chosen.bos,
+        eos_token=chosen.eos,  # the end of an assistant turn; the generation config adds the document's end
+        pad_token=chosen.pad,
         unk_token=None,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chosen.chat_template,
         model_max_length=MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,  # it would rewrite " ." to "." and break round trips
         padding_side="left",
@@ -63,24 +68,42 @@ def build_tokenizer(vocab_size: int, corpus_seed: int = CORPUS_SEED) -> PreTrain
     )
 
 
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> list[str]:
-    """Writes tokenizer.json + tokenizer_config.json (chat template inline); returns the file names."""
+def save_tokenizer(
+    tokenizer: PreTrainedTokenizerFast, folder: str | Path, family: str = "qwen2"
+) -> list[str]:
+    """Writes tokenizer.json + tokenizer_config.json (chat template inline, and the family's tool-call
+    format as ``gyre_tool_call_format``); returns the file names."""
     folder = Path(folder)
     tokenizer.save_pretrained(folder, save_jinja_files=False)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["gyre_tool_call_format"] = TOOL_CALL_FORMAT
+    config["gyre_tool_call_format"] = FAMILIES[family].tool_call_format
+    if family != "qwen2":
+        # transformers picks a tokenizer class from config.json's model_type otherwise (LlamaTokenizer,
+        # ...), some of which rebuild their own pipeline from the vocabulary: keep tokenizer.json's
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(("tokenizer", "special_tokens")))
 
 
+@functools.lru_cache(maxsize=8)
+def trained_tokenizer_json(vocab_size: int, corpus_seed: int = CORPUS_SEED, family: str = "qwen2") -> str:
+    """The serialized `tokenizers` tokenizer: the trained BPE, then ``family``'s control tokens
+    (special) and its plain added tokens. A pure function of its arguments."""
+    chosen: Family = FAMILIES[family]
+    bpe_size = vocab_size - len(chosen.special) - len(chosen.added)
+    tokenizer = Tokenizer.from_str(bpe_tokenizer_json(bpe_size, corpus_seed))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in chosen.special])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in chosen.added])
+    return tokenizer.to_str()
+
+
 @functools.lru_cache(maxsize=4)
-def trained_tokenizer_json(vocab_size: int, corpus_seed: int = CORPUS_SEED) -> str:
-    """The serialized `tokenizers` tokenizer: a pure function of its arguments, so it is trained once
-    per process (``trained_tokenizer_json.__wrapped__`` trains afresh)."""
-    bpe_size = vocab_size - len(SPECIAL_TOKENS)
+def bpe_tokenizer_json(bpe_size: int, corpus_seed: int = CORPUS_SEED) -> str:
+    """The trained byte-level BPE alone, ``bpe_size`` ids: trained once per process and arguments
+    (``bpe_tokenizer_json.__wrapped__`` trains afresh)."""
     if bpe_size < 512:
-        raise ValueError(f"vocab_size {vocab_size} is too small: the byte alphabet alone takes 256 ids")
+        raise ValueError(f"{bpe_size} BPE ids are too few: the byte alphabet alone takes 256 ids")
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()  # what AutoTokenizer applies to qwen2 models anyway
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -104,6 +127,4 @@ def trained_tokenizer_json(vocab_size: int, corpus_seed: int = CORPUS_SEED) -> s
             f"the corpus gave only {trained} BPE tokens, {bpe_size} were asked for: "
             "lower vocab_size or enlarge the corpus (engines/model/corpus.py)"
         )
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return tokenizer.to_str()

@@ -103,6 +103,7 @@ def target_logprobs(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 attention_mask={"full_attention": plan, "sliding_attention": plan},
+                tree_plan=plan,  # for models that rebuild the mask themselves (tree_attention.py)
             ).last_hidden_state
     elif kernel == "dense":
         mask = attention_bias(sequence.parent_index, dtype=dtype, device=device)

@@ -132,8 +132,12 @@ def tree_attention_forward(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature; returns [1, T, H, D] like its SDPA function."""
-    plan = attention_mask
+    """transformers' attention-function signature; returns [1, T, H, D] like its SDPA function.
+
+    The plan arrives as the mask where the model passes a prepared mask mapping through (Qwen2, Qwen3),
+    else as the ``tree_plan`` keyword that every layer forwards (Llama and Mistral build their own
+    mask, which a custom attention function gets as None)."""
+    plan = attention_mask if isinstance(attention_mask, TreeAttentionPlan) else kwargs.get("tree_plan")
     if not isinstance(plan, TreeAttentionPlan):
         raise TypeError(
             f"{TREE_ATTENTION!r} attention needs a TreeAttentionPlan as its mask, got "
