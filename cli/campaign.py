@@ -5,6 +5,7 @@ gyre up [--config configs/demo.toml]       Prefect server + UI, rollout engines,
 gyre status                                 each service with its pid, address and health
 gyre down                                   stops what `gyre up` started, nothing else
 gyre run [--config configs/demo.toml]       up + the campaign (progress on stderr) + a summary
+         [--policy DIR]                     ... starting from another policy (any Llama/Qwen2/Qwen3/Mistral folder)
 gyre deploy [--file deployments/prefect.yaml]   the scheduled campaigns, on the server
 gyre worker [--pool gyre]                   a process worker that runs them
 gyre bench learn [--quick] [--validation]   does the campaign teach the policy (held-out, paired)
@@ -54,6 +55,12 @@ def add_campaign_parsers(commands, bench_commands) -> None:
         help="stay in the foreground and start again any service whose process dies (Ctrl-C stops watching)",
     )
     for command in (run, up):
+        command.add_argument(
+            "--policy",
+            default=None,
+            help="override the config's policy: a local Hugging Face folder of a Llama, Qwen2, Qwen3 or "
+            "Mistral model (checked first, as `gyre model check` does)",
+        )
         command.add_argument("--prefect-port", type=int, default=4200, help="0: any free port")
         command.add_argument("--gateway-port", type=int, default=8200, help="0: any free port")
         command.add_argument(
@@ -112,7 +119,19 @@ def _config(args: argparse.Namespace):
         overrides["steps"] = args.steps
     if getattr(args, "name", None):
         overrides["name"] = args.name
+    if getattr(args, "policy", None):
+        overrides["policy"] = args.policy
     return config.merged(overrides)
+
+
+def check_policy(policy: str) -> None:
+    """Refuses, before any service starts, a local policy folder gyre cannot serve or train (a
+    PolicyError names the folder and what is wrong); a remote URL is checked by the services."""
+    if "://" in policy:
+        return
+    from engines.model.policy import inspect_policy
+
+    inspect_policy(policy)
 
 
 def _server_url(data_root: str) -> str:
@@ -184,6 +203,7 @@ def _up(args: argparse.Namespace, quiet: bool):
     from tasks.services.up import up
 
     config = _config(args)
+    check_policy(config.policy)
     ports = {
         name: getattr(args, name, default)
         for name, default in (("prefect_port", 4200), ("gateway_port", 8200), ("engine_port", 8100))

@@ -17,6 +17,8 @@
                                                        prints its base_url and api_key
     gyre execution finish ID --status S --reward R     finish it: the gateway records it with its calls
     gyre model init --preset tiny --out URL [--seed N]  a random-init policy model + tokenizer (HF format)
+                    [--family qwen2|qwen3|llama|mistral]
+    gyre model check DIR                               a Hugging Face folder as a policy: what gyre reads, or why not
     gyre model sft --model DIR --out DIR               supervised warm start, held-out pass rate before/after
     gyre model eval --model DIR                        held-out pass rate and mean reward of a policy
     gyre gateway --model DIR --engine URL [...]        the OpenAI-compatible gateway in front of rollout engines
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from cli import agents, campaign, executions, schedule, settings, snapshot
 from cli.format import render
+from cli.model import add_model_parsers, run_model_command
 from engines.gateway import settings as gateway_settings
 from engines.rollout import settings as engine_settings
 
@@ -150,17 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model", help="policy models: init (HF format, any fsspec URL), sft (warm start), eval"
     )
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
-    init = model_commands.add_parser("init", help="write a seeded random-init Qwen2 model and its tokenizer")
-    init.add_argument(
-        "--preset",
-        choices=["tiny", "small", "gpu-0.5b", "gpu-1.5b"],
-        default="tiny",
-        help="model size (engines/model/config.py PRESETS)",
-    )
-    init.add_argument("--out", required=True, help="a folder or fsspec URL (s3://bucket/prefix)")
-    init.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
-    init.add_argument("--force", action="store_true", help="replace the model files already at --out")
-    init.add_argument("--s3-endpoint-url", default=None, help="S3 API endpoint (default: AWS variables)")
+    add_model_parsers(model_commands)
     agents.add_sft_parser(model_commands)
     agents.add_eval_parser(model_commands)
     agents.add_rollout_parser(commands)
@@ -287,7 +280,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"wrote {lines} records ({args.preset} preset) to {args.out}")
         return 0
     if args.command == "model":
-        return _model(args)
+        return run_model_command(args)
 
     from tasks import trajectory as t
 
@@ -384,17 +377,6 @@ def _check(summary: CheckSummary) -> int:
         file=sys.stderr,
     )
     return 1
-
-
-def _model(args: argparse.Namespace) -> int:
-    from tasks.model import init_model  # imports torch and transformers: only when asked for
-
-    summary = init_model.fn(args.preset, args.out, args.seed, args.force, args.s3_endpoint_url)
-    print(
-        f"initialized {summary.preset} model (seed {summary.seed}): {summary.parameters:,} parameters, "
-        f"vocab {summary.vocab_size}, {summary.dtype}, at {summary.out}"
-    )
-    return 0
 
 
 def _store_demo(args: argparse.Namespace) -> int:

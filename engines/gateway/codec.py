@@ -4,7 +4,7 @@ turns text into token ids and generated ids back into a message (content + parse
     codec = ChatCodec.from_folder("./models/tiny")
     text = codec.render(messages, tools, generation=True)    # the chat template, as a string
     ids = codec.encode(text)                                  # no BOS or other added ids
-    content, calls = codec.parse_text(codec.decode(output_ids), tools_on=True)  # parse_tool_calls
+    content, calls = codec.parse_text(codec.decode(output_ids), tools_on=True)  # the family's parser
 
 Splicing rule (context.py relies on it): the tokenizer cuts text at every added token (<|im_start|>,
 <|im_end|>, the tool tags...) before its pre-tokenizer and BPE run, so for texts A and B where B starts
@@ -23,7 +23,9 @@ import threading
 from typing import Any
 
 from engines.gateway.render import ChatMLRenderer, TemplateRenderer
-from engines.model.chat import ENDOFTEXT, IM_END, parse_tool_calls
+from engines.model.chat import ENDOFTEXT, IM_END
+from engines.model.chat import TOOL_CALL_FORMAT as QWEN_FORMAT
+from engines.model.tool_calls import MARKERS, parser_for
 
 # longer texts are encoded with the GIL released (encode_batch), so other threads run meanwhile
 _GIL_FREE_CHARS = 4096
@@ -49,14 +51,22 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"t
 
 
 class ChatCodec:
-    """Attributes: tokenizer (a transformers tokenizer with a chat template), eos_id (the end-of-turn
-    token the template writes after an assistant message), stop_ids (sent with every engine request),
-    boundaries (added-token strings), generation_suffix / generation_ids (what add_generation_prompt adds)."""
+    """Attributes: tokenizer (a transformers tokenizer with a chat template), tool_call_format (how the
+    model writes calls: engines/model/tool_calls.py), eos_id (the end-of-turn token the template writes
+    after an assistant message), stop_ids (sent with every engine request), boundaries (added-token
+    strings), generation_suffix / generation_ids (what add_generation_prompt adds)."""
 
-    def __init__(self, tokenizer: Any, extra_stop_ids: list[int] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        extra_stop_ids: list[int] | None = None,
+        tool_call_format: str = QWEN_FORMAT,
+    ):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template: the gateway needs one to render messages")
         self.tokenizer = tokenizer
+        self.tool_call_format = tool_call_format
+        self._parse_tool_calls = parser_for(tool_call_format)
         self.renderer = self._pick_renderer(tokenizer)
         # transformers' encode / decode wrap the Rust tokenizer in ~0.2 ms of Python per call; with no
         # text clean-up configured, calling the backend directly gives the same ids and text
@@ -65,8 +75,14 @@ class ChatCodec:
         self._backend = backend if backend is not None and plain else None
         self._lock = threading.Lock()
         vocab = tokenizer.get_vocab()
-        self.eos_token: str = IM_END if IM_END in vocab else tokenizer.eos_token
+        chatml = IM_END in vocab and IM_END in tokenizer.chat_template
+        self.eos_token: str = IM_END if chatml else tokenizer.eos_token
         self.eos_id: int = vocab[self.eos_token]
+        # decoding drops special tokens but keeps the ones the tool-call parser reads (Llama's
+        # <|python_tag|>, Mistral's [TOOL_CALLS] are special in their tokenizers)
+        kept = {vocab[m] for m in MARKERS[tool_call_format] if m in vocab}
+        special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        self._dropped_on_decode: frozenset[int] = frozenset(special - kept)
         stops = {self.eos_id, *(extra_stop_ids or [])}
         if ENDOFTEXT in vocab:
             stops.add(vocab[ENDOFTEXT])
@@ -84,9 +100,13 @@ class ChatCodec:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> ChatCodec:
-        """The tokenizer of an HF model folder; the stop ids also take generation_config.json's eos ids."""
+        """The tokenizer of an HF model folder, with the tool-call format found there
+        (engines/model/policy.py: a PolicyError when it cannot be told); the stop ids also take
+        generation_config.json's eos ids."""
         from engines.model.loading import load_tokenizer
+        from engines.model.policy import tool_call_format_of
 
+        tool_call_format, _ = tool_call_format_of(folder)
         tokenizer = load_tokenizer(folder)
         extra: list[int] = []
         config_path = os.path.join(str(folder), "generation_config.json")
@@ -94,7 +114,7 @@ class ChatCodec:
             with open(config_path) as handle:
                 eos = json.load(handle).get("eos_token_id")
             extra = [eos] if isinstance(eos, int) else list(eos or [])
-        return cls(tokenizer, extra)
+        return cls(tokenizer, extra, tool_call_format)
 
     @property
     def vocab_size(self) -> int:
@@ -132,9 +152,12 @@ class ChatCodec:
             return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` without special tokens, except the tool-call format's markers."""
+        dropped = self._dropped_on_decode
+        ids = [i for i in ids if i not in dropped]
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=True)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self._backend.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def starts_at_boundary(self, text: str) -> bool:
         """Whether tokenization splits right before ``text`` (it starts with an added token)."""
@@ -145,7 +168,7 @@ class ChatCodec:
         whole text is content. With tool calls, content is None when nothing else was said."""
         if not tools_on:
             return text, []
-        content, calls = parse_tool_calls(text)
+        content, calls = self._parse_tool_calls(text)
         return (content or None) if calls else content, calls
 
     def token_texts(self, ids: list[int]) -> list[str]:

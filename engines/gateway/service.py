@@ -9,7 +9,7 @@ SessionContext turns the messages into prompt ids, reusing earlier ids (context.
 thread when the prompt is large; (3) the Router sends them to the session's engine as an
 EngineCompletionRequest (router.py, engines/protocol.py), with the end-of-turn and end-of-text ids as
 stop_token_ids; (4) stop strings cut the output (stops.py); (5) the output is decoded and its tool calls
-parsed (engines.model.chat.parse_tool_calls) into an assistant message; (6) the call is recorded
+parsed (the model's format: engines/model/tool_calls.py) into an assistant message; (6) the call is recorded
 (recording.py): prompt ids exactly as sent, output ids exactly as generated (stop token included), raw
 logprobs, policy version, engine id, finish reason, migrated flag, wall-clock start and end; (7) the
 answer is built by protocol.py.
