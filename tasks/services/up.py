@@ -33,15 +33,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Literal
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from engines.admin import AdminClient, AdminError
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
-from engines.rollout.config import EngineConfig, EngineServerConfig
+from tasks.services.serving import ServingConfig, engine_process
 from trajectory_store.storage import StoreConfig
 
 RECORD = "services.json"
@@ -148,20 +147,6 @@ def _start(
     )
 
 
-class ServingConfig(BaseModel):
-    """The processes of a campaign on this machine."""
-
-    engines: int = Field(1, ge=1, description="rollout engine processes")
-    engine_threads: int = Field(1, ge=1, description="torch threads per engine")
-    max_batch_size: int = Field(8, ge=1, description="sequences an engine decodes at once")
-    trainer_threads: int = Field(2, ge=1, description="torch threads of the trainer process")
-    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32",
-        description="weights and KV dtype of the engines; float32 by default, the trainer's dtype on CPU, so "
-        "behaviour logprobs match what the trainer computes (a bf16 policy file is widened)",
-    )
-
-
 def up(
     data_root: str,
     policy: str,
@@ -218,20 +203,10 @@ def up(
         engine_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         engine_urls = []
         for index in range(serving.engines):
-            config = EngineServerConfig(
-                model=policy,
-                port=engine_port + index if engine_port else free_port(),
-                admin_token=engine_token,
-                engine=EngineConfig(max_batch_size=serving.max_batch_size, dtype=serving.engine_dtype),
-            )
-            url = f"http://127.0.0.1:{config.port}"
-            command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
-            name = f"engine-{index}"
-            services.append(
-                _start(
-                    name, command, url, "engines.rollout.server", state, engine_env, config.model_dump_json()
-                )
-            )
+            port = engine_port + index if engine_port else free_port()
+            command, stdin, marker = engine_process(policy, serving, port, engine_token)
+            url = f"http://127.0.0.1:{port}"
+            services.append(_start(f"engine-{index}", command, url, marker, state, engine_env, stdin))
             engine_urls.append(url)
         gateway = GatewayConfig(
             model=policy,

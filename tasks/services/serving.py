@@ -1,0 +1,84 @@
+"""The processes of a campaign on this machine (``[serving]``: ServingConfig), and one rollout engine
+process: its command, the config its stdin gets, and the marker `gyre down` checks its command line
+for, for either engine ``[serving] engine`` names.
+
+    command, stdin, marker = engine_process(policy, serving, port, engine_token)
+
+'gyre' is our engine (engines/rollout/server.py); 'vllm' is vLLM's own server behind our adapter
+(engines/vllm/server.py), which starts vLLM in the environment the config names. Both speak the same
+engine API, so nothing after this choice (the gateway, placement, the scheduler's cells) knows which
+engine runs. The config travels as JSON on stdin: admin tokens never appear in argv or on disk.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from engines.rollout.config import EngineConfig, EngineServerConfig
+from engines.vllm.config import VllmServerConfig
+
+
+class ServingConfig(BaseModel):
+    """The processes of a campaign on this machine."""
+
+    engines: int = Field(1, ge=1, description="rollout engine processes")
+    engine_threads: int = Field(1, ge=1, description="torch threads per engine")
+    max_batch_size: int = Field(8, ge=1, description="sequences an engine decodes at once")
+    trainer_threads: int = Field(2, ge=1, description="torch threads of the trainer process")
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="weights and KV dtype of the engines; float32 by default, the trainer's dtype on CPU, so "
+        "behaviour logprobs match what the trainer computes (a bf16 policy file is widened)",
+    )
+    engine: Literal["gyre", "vllm"] = Field(
+        "gyre",
+        description="the rollout engine: 'gyre' (ours, engines/rollout) or 'vllm' (vLLM's own server in its own "
+        "environment behind a small adapter, engines/vllm; make vllm installs it)",
+    )
+    vllm_python: str | None = Field(
+        None,
+        description="engine 'vllm': the Python of vLLM's environment; None = $GYRE_VLLM_PYTHON, else "
+        ".venv-vllm/bin/python under the working directory",
+    )
+    vllm_kv_cache_gib: float = Field(
+        1.0, gt=0, description="engine 'vllm': KV cache memory per engine on CPU (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="engine 'vllm': more arguments for vLLM's server, passed as they are",
+    )
+
+
+def engine_process(
+    policy: str, serving: ServingConfig, port: int, admin_token: str, *, host: str = "127.0.0.1"
+) -> tuple[list[str], str, str]:
+    """(command, its stdin, marker) of an engine on ``host:port`` serving ``policy``."""
+    if serving.engine == "vllm":
+        config = VllmServerConfig(
+            model=policy,
+            host=host,
+            port=port,
+            admin_token=admin_token,
+            python=serving.vllm_python,
+            dtype=serving.engine_dtype,
+            kv_cache_gib=serving.vllm_kv_cache_gib,
+            extra_args=serving.vllm_args,
+        )
+        config.vllm_python()  # no vLLM environment: say so here, before any process starts
+        return (
+            [sys.executable, "-m", "engines.vllm", "--config", "-"],
+            config.model_dump_json(),
+            "engines.vllm",
+        )
+    engine = EngineServerConfig(
+        model=policy,
+        host=host,
+        port=port,
+        admin_token=admin_token,
+        engine=EngineConfig(max_batch_size=serving.max_batch_size, dtype=serving.engine_dtype),
+    )  # engine_id None: each engine is rollout-<its port>
+    command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
+    return command, engine.model_dump_json(), "engines.rollout.server"
