@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from engines.devices import CellDevices, process_env
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
 from engines.rollout.config import EngineConfig, EngineServerConfig
@@ -50,14 +51,20 @@ def local_stack(
     max_batch_size: int = 8,
     step: int = 0,
     dtype: str = "auto",
+    cells: list[CellDevices] | None = None,
 ) -> Iterator[LocalStack]:
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
-    its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk."""
+    its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk.
+    ``cells``: what each engine's process gets (its GPUs, threads and cores: ServingConfig.engine_cell),
+    one per engine, in place of ``threads``."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, **process_env(CellDevices(threads=threads))}
+    if cells is not None and len(cells) != engines:
+        raise ValueError(f"{len(cells)} cells for {engines} engines: one cell per engine")
     with contextlib.ExitStack() as stack:
         engine_urls, processes = [], {}
-        for _ in range(engines):
+        for index in range(engines):
+            engine_env = {**os.environ, **process_env(cells[index])} if cells is not None else env
             engine = EngineServerConfig(
                 model=model_dir,
                 port=free_port(),
@@ -67,7 +74,7 @@ def local_stack(
             url = f"http://{engine.host}:{engine.port}"
             command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
             processes[url] = stack.enter_context(
-                serving_process(command, url, env, stdin=engine.model_dump_json())
+                serving_process(command, url, engine_env, stdin=engine.model_dump_json())
             )
             engine_urls.append(url)
         gateway = GatewayConfig(

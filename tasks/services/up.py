@@ -33,15 +33,17 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, NonNegativeInt, model_validator
 
 from engines.admin import AdminClient, AdminError
+from engines.devices import CellDevices, process_env
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
 from engines.rollout.config import EngineConfig, EngineServerConfig
+from tasks.services.devices import check_layout, engine_cell, trainer_cell
 from trajectory_store.storage import StoreConfig
 
 RECORD = "services.json"
@@ -160,6 +162,55 @@ class ServingConfig(BaseModel):
         description="weights and KV dtype of the engines; float32 by default, the trainer's dtype on CPU, so "
         "behaviour logprobs match what the trainer computes (a bf16 policy file is widened)",
     )
+    devices: list[list[NonNegativeInt]] = Field(
+        default_factory=list,
+        description="the GPUs of each cell, one list per engine: cell i hosts engine-i (and, under the "
+        "scheduler, its trainer replica; cell 0 is the core), e.g. [[0], [1], [2, 3]]. Each of its processes "
+        "gets CUDA_VISIBLE_DEVICES = its cell's GPUs and uses cuda:0 inside. A GPU belongs to one cell; "
+        "without engines, engines = the number of cells. [] = no GPUs named: every process sees what "
+        "gyre was started with",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs one model replica spans (vLLM's tensor_parallel_size); it must divide every "
+        "cell's GPU count. The gyre engine runs on one GPU: its cell's first",
+    )
+    cores: list[list[NonNegativeInt]] = Field(
+        default_factory=list,
+        description="on CPU, optionally: the cores each cell's processes are pinned to (os.sched_setaffinity), "
+        "one list per engine like devices, e.g. [[0, 1], [2, 3]]; their thread budgets stay engine_threads "
+        "and trainer_threads. [] = not pinned",
+    )
+    trainer_devices: list[NonNegativeInt] | None = Field(
+        None, description="the trainer process's GPUs; None = the core cell's (devices[0])"
+    )
+    trainer_cores: list[NonNegativeInt] | None = Field(
+        None, description="the cores the trainer process is pinned to; None = the core cell's (cores[0])"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engines_from_cells(cls, data: Any) -> Any:
+        """Naming cells without ``engines`` makes one engine per cell."""
+        if isinstance(data, dict) and "engines" not in data:
+            cells = data.get("devices") or data.get("cores")
+            if isinstance(cells, list) and cells:
+                data = {**data, "engines": len(cells)}
+        return data
+
+    @model_validator(mode="after")
+    def _placeable(self) -> ServingConfig:
+        check_layout(self)
+        return self
+
+    def engine_cell(self, index: int) -> CellDevices:
+        """What engine-``index`` and its cell's replica get (tasks/services/devices.py)."""
+        return engine_cell(self, index)
+
+    def trainer_cell(self) -> CellDevices:
+        """What the trainer process gets (tasks/services/devices.py)."""
+        return trainer_cell(self)
 
 
 def up(
@@ -214,8 +265,6 @@ def up(
             services.append(_start("prefect", command, prefect_api_url, "server start", state, prefect_env))
             ui_url = f"http://127.0.0.1:{port}"
         engine_token, admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
-        threads = str(serving.engine_threads)
-        engine_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         engine_urls = []
         for index in range(serving.engines):
             config = EngineServerConfig(
@@ -227,6 +276,7 @@ def up(
             url = f"http://127.0.0.1:{config.port}"
             command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
             name = f"engine-{index}"
+            engine_env = process_env(serving.engine_cell(index))  # its cell's GPUs, threads and cores
             services.append(
                 _start(
                     name, command, url, "engines.rollout.server", state, engine_env, config.model_dump_json()
