@@ -55,8 +55,7 @@ def check_layout(serving: ServingConfig) -> None:
         if len(cells) > serving.engines:
             raise ValueError(
                 f"{key} names {len(cells)} cells but engines = {serving.engines}: one cell per engine "
-                f"(cell i hosts engine-i); set engines = {len(cells)} or remove {len(cells) - serving.engines} "
-                "cells"
+                f"(cell i hosts engine-i); set engines = {len(cells)} or name {serving.engines} cells"
             )
         if len(cells) < serving.engines:
             raise ValueError(
