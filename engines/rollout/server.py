@@ -80,6 +80,7 @@ from engines.admin import (
     WeightsRequest,
 )
 from engines.auth import bearer_guard, error_response
+from engines.devices import settings as devices
 from engines.model.weights import read_weights
 from engines.options import parse_config
 from engines.protocol import (
@@ -242,6 +243,7 @@ def create_app(
             running=len(engine.running),
             kv_tokens=engine.kv_tokens,
             kv_budget_tokens=engine.config.kv_budget_tokens,
+            devices=devices.report(),
             **engine.stats.model_dump(),
         )
 
@@ -318,6 +320,7 @@ def serve(config: EngineServerConfig) -> None:
     """Loads the model, prints the start banner on stderr and serves until interrupted."""
     import uvicorn
 
+    devices.enter_cell()  # its cell's cores and threads, before the model and the loop's threads
     engine = RolloutEngine(config.model, config.engine_config())
     app = create_app(engine, admin_token=config.admin_token, model_name=config.served_model_name)
     print(

@@ -58,6 +58,7 @@ from engines.admin import (
     WeightsRequest,
 )
 from engines.auth import bearer_guard, error_response
+from engines.devices import settings as devices
 from engines.net import free_port
 from engines.options import parse_config
 from engines.protocol import EngineCompletion, EngineCompletionRequest, GyreChoice, ModelCard, ModelList
@@ -299,6 +300,7 @@ def create_app(config: VllmServerConfig) -> FastAPI:
             weights_path=state["path"],
             running=running,
             waiting=waiting,
+            devices=devices.report(torch_threads=False),
             **counters.model_dump(),
         )
 
@@ -327,6 +329,7 @@ def config_from_args(args: argparse.Namespace) -> VllmServerConfig:
 def serve(config: VllmServerConfig) -> None:
     import uvicorn
 
+    devices.enter_cell(torch_threads=False)  # its cell's cores: vLLM inherits them (process.py)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
 
 

@@ -62,6 +62,7 @@ def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) ->
             return
         sizes = {"engines": serving.engines, "threads": serving.engine_threads}
         sizes |= {"max_batch_size": serving.max_batch_size, "dtype": serving.engine_dtype}
+        sizes |= {"cells": [serving.engine_cell(index) for index in range(serving.engines)]}
         with local_stack(model, store, **sizes) as stack:
             yield services(stack)
     finally:

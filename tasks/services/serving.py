@@ -13,12 +13,14 @@ engine runs. The config travels as JSON on stdin: admin tokens never appear in a
 from __future__ import annotations
 
 import sys
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, NonNegativeInt, model_validator
 
+from engines.devices import CellDevices
 from engines.rollout.config import EngineConfig, EngineServerConfig
 from engines.vllm.config import VllmServerConfig
+from tasks.services.devices import check_layout, engine_cell, trainer_cell
 
 
 class ServingConfig(BaseModel):
@@ -50,6 +52,55 @@ class ServingConfig(BaseModel):
         default_factory=list,
         description="engine 'vllm': more arguments for vLLM's server, passed as they are",
     )
+    devices: list[list[NonNegativeInt]] = Field(
+        default_factory=list,
+        description="the GPUs of each cell, one list per engine: cell i hosts engine-i (and, under the "
+        "scheduler, its trainer replica; cell 0 is the core), e.g. [[0], [1], [2, 3]]. Each of its processes "
+        "gets CUDA_VISIBLE_DEVICES = its cell's GPUs and uses cuda:0 inside. A GPU belongs to one cell; "
+        "without engines, engines = the number of cells. [] = no GPUs named: every process sees what "
+        "gyre was started with",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs one model replica spans (vLLM's tensor_parallel_size); it must divide every "
+        "cell's GPU count. The gyre engine runs on one GPU: its cell's first",
+    )
+    cores: list[list[NonNegativeInt]] = Field(
+        default_factory=list,
+        description="on CPU, optionally: the cores each cell's processes are pinned to (os.sched_setaffinity), "
+        "one list per engine like devices, e.g. [[0, 1], [2, 3]]; their thread budgets stay engine_threads "
+        "and trainer_threads. [] = not pinned",
+    )
+    trainer_devices: list[NonNegativeInt] | None = Field(
+        None, description="the trainer process's GPUs; None = the core cell's (devices[0])"
+    )
+    trainer_cores: list[NonNegativeInt] | None = Field(
+        None, description="the cores the trainer process is pinned to; None = the core cell's (cores[0])"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engines_from_cells(cls, data: Any) -> Any:
+        """Naming cells without ``engines`` makes one engine per cell."""
+        if isinstance(data, dict) and "engines" not in data:
+            cells = data.get("devices") or data.get("cores")
+            if isinstance(cells, list) and cells:
+                data = {**data, "engines": len(cells)}
+        return data
+
+    @model_validator(mode="after")
+    def _placeable(self) -> ServingConfig:
+        check_layout(self)
+        return self
+
+    def engine_cell(self, index: int) -> CellDevices:
+        """What engine-``index`` and its cell's replica get (tasks/services/devices.py)."""
+        return engine_cell(self, index)
+
+    def trainer_cell(self) -> CellDevices:
+        """What the trainer process gets (tasks/services/devices.py)."""
+        return trainer_cell(self)
 
 
 def engine_process(
@@ -65,6 +116,7 @@ def engine_process(
             python=serving.vllm_python,
             dtype=serving.engine_dtype,
             kv_cache_gib=serving.vllm_kv_cache_gib,
+            tensor_parallel_size=serving.tensor_parallel_size,
             extra_args=serving.vllm_args,
         )
         config.vllm_python()  # no vLLM environment: say so here, before any process starts

@@ -22,6 +22,7 @@ from typing import Literal
 
 import httpx
 
+from engines.devices import CellDevices, process_env
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
 from tasks.services.serving import engine_process
@@ -52,24 +53,29 @@ def local_stack(
     max_batch_size: int = 8,
     step: int = 0,
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
+    cells: list[CellDevices] | None = None,
     engine: Literal["gyre", "vllm"] = "gyre",
     vllm_python: str | None = None,
 ) -> Iterator[LocalStack]:
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
     its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk.
-    ``engine``: 'gyre' or 'vllm' (tasks/services/engine_process.py)."""
+    ``cells``: what each engine's process gets (its GPUs, threads and cores: ServingConfig.engine_cell),
+    one per engine, in place of ``threads``. ``engine``: 'gyre' or 'vllm' (tasks/services/serving.py)."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, **process_env(CellDevices(threads=threads))}
+    if cells is not None and len(cells) != engines:
+        raise ValueError(f"{len(cells)} cells for {engines} engines: one cell per engine")
     with contextlib.ExitStack() as stack:
         engine_urls, processes = [], {}
         serving = ServingConfig(
             max_batch_size=max_batch_size, engine_dtype=dtype, engine=engine, vllm_python=vllm_python
         )
-        for _ in range(engines):
+        for index in range(engines):
+            engine_env = {**os.environ, **process_env(cells[index])} if cells is not None else env
             port = free_port()
             command, stdin, _ = engine_process(model_dir, serving, port, engine_token)
             url = f"http://127.0.0.1:{port}"
-            processes[url] = stack.enter_context(serving_process(command, url, env, stdin=stdin))
+            processes[url] = stack.enter_context(serving_process(command, url, engine_env, stdin=stdin))
             engine_urls.append(url)
         gateway = GatewayConfig(
             model=model_dir,

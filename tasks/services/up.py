@@ -38,6 +38,7 @@ import httpx
 from pydantic import BaseModel
 
 from engines.admin import AdminClient, AdminError
+from engines.devices import process_env
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
 from tasks.services.serving import ServingConfig, engine_process
@@ -199,13 +200,12 @@ def up(
             services.append(_start("prefect", command, prefect_api_url, "server start", state, prefect_env))
             ui_url = f"http://127.0.0.1:{port}"
         engine_token, admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
-        threads = str(serving.engine_threads)
-        engine_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         engine_urls = []
         for index in range(serving.engines):
             port = engine_port + index if engine_port else free_port()
             command, stdin, marker = engine_process(policy, serving, port, engine_token)
             url = f"http://127.0.0.1:{port}"
+            engine_env = process_env(serving.engine_cell(index))  # its cell's GPUs, threads and cores
             services.append(_start(f"engine-{index}", command, url, marker, state, engine_env, stdin))
             engine_urls.append(url)
         gateway = GatewayConfig(
