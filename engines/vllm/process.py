@@ -31,6 +31,7 @@ import time
 import httpx
 
 from engines.vllm.config import VllmServerConfig
+from engines.vllm.settings import thread_budget
 
 _PR_SET_PDEATHSIG = 1
 
@@ -75,7 +76,7 @@ def vllm_command(config: VllmServerConfig, port: int) -> list[str]:
 def vllm_env(config: VllmServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
     """The child's environment: the adapter's (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS as the spawner set
     them), dev mode on, the CPU KV cache size and the CPU thread binding."""
-    env = dict(os.environ if base is None else base)
+    env = {**os.environ} if base is None else dict(base)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(config.kv_cache_gib)))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding())
@@ -90,7 +91,7 @@ def cpu_binding() -> str:
     mine = sorted(os.sched_getaffinity(0))
     if len(mine) >= (os.cpu_count() or len(mine)):
         return "nobind"
-    threads = int(os.environ.get("OMP_NUM_THREADS") or len(mine))
+    threads = thread_budget() or len(mine)
     return ",".join(str(core) for core in mine[: max(1, threads)])
 
 

@@ -62,6 +62,7 @@ from engines.devices import settings as devices
 from engines.net import free_port
 from engines.options import parse_config
 from engines.protocol import EngineCompletion, EngineCompletionRequest, GyreChoice, ModelCard, ModelList
+from engines.vllm import settings
 from engines.vllm.config import VllmServerConfig
 from engines.vllm.process import VllmProcess
 from engines.vllm.weights import is_tied, policy_version_of, serving_folder, weights_folder
@@ -312,18 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m engines.vllm", description=__doc__.split("\n")[0])
     add_config_file_option(parser, VllmServerConfig)
-    add_config_options(parser, VllmServerConfig, skip={"extra_args"}, env={"admin_token": ADMIN_ENV})
+    add_config_options(parser, VllmServerConfig, skip={"extra_args"}, env={"admin_token": settings.ADMIN_ENV})
     return parser
-
-
-ADMIN_ENV = "GYRE_ROLLOUT_ADMIN_TOKEN"
 
 
 def config_from_args(args: argparse.Namespace) -> VllmServerConfig:
     from engines.options import build_config
 
-    env = {"admin_token": os.environ[ADMIN_ENV]} if os.environ.get(ADMIN_ENV) else {}
-    return build_config(VllmServerConfig, args, layers=[env])
+    return build_config(VllmServerConfig, args, layers=[settings.env_defaults()])
 
 
 def serve(config: VllmServerConfig) -> None:

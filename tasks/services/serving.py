@@ -103,6 +103,10 @@ class ServingConfig(BaseModel):
         return trainer_cell(self)
 
 
+ENGINE_MARKERS = {"gyre": "engines.rollout.server", "vllm": "engines.vllm"}
+"""What an engine's command line holds, by kind (`gyre down` checks it; `up` tells the kinds apart)."""
+
+
 def engine_process(
     policy: str, serving: ServingConfig, port: int, admin_token: str, *, host: str = "127.0.0.1"
 ) -> tuple[list[str], str, str]:
@@ -123,7 +127,7 @@ def engine_process(
         return (
             [sys.executable, "-m", "engines.vllm", "--config", "-"],
             config.model_dump_json(),
-            "engines.vllm",
+            ENGINE_MARKERS["vllm"],
         )
     engine = EngineServerConfig(
         model=policy,
@@ -133,4 +137,4 @@ def engine_process(
         engine=EngineConfig(max_batch_size=serving.max_batch_size, dtype=serving.engine_dtype),
     )  # engine_id None: each engine is rollout-<its port>
     command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
-    return command, engine.model_dump_json(), "engines.rollout.server"
+    return command, engine.model_dump_json(), ENGINE_MARKERS["gyre"]

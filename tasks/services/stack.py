@@ -56,18 +56,21 @@ def local_stack(
     cells: list[CellDevices] | None = None,
     engine: Literal["gyre", "vllm"] = "gyre",
     vllm_python: str | None = None,
+    serving: ServingConfig | None = None,
 ) -> Iterator[LocalStack]:
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
     its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk.
     ``cells``: what each engine's process gets (its GPUs, threads and cores: ServingConfig.engine_cell),
-    one per engine, in place of ``threads``. ``engine``: 'gyre' or 'vllm' (tasks/services/serving.py)."""
+    one per engine, in place of ``threads``. ``engine``: 'gyre' or 'vllm' (tasks/services/serving.py);
+    ``serving``: a campaign's whole [serving] (its engine kind and vLLM options) in place of
+    max_batch_size, dtype, engine and vllm_python."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     env = {**os.environ, **process_env(CellDevices(threads=threads))}
     if cells is not None and len(cells) != engines:
         raise ValueError(f"{len(cells)} cells for {engines} engines: one cell per engine")
     with contextlib.ExitStack() as stack:
         engine_urls, processes = [], {}
-        serving = ServingConfig(
+        serving = serving or ServingConfig(
             max_batch_size=max_batch_size, engine_dtype=dtype, engine=engine, vllm_python=vllm_python
         )
         for index in range(engines):

@@ -41,7 +41,7 @@ from engines.admin import AdminClient, AdminError
 from engines.devices import process_env
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
-from tasks.services.serving import ServingConfig, engine_process
+from tasks.services.serving import ENGINE_MARKERS, ServingConfig, engine_process
 from trajectory_store.storage import StoreConfig
 
 RECORD = "services.json"
@@ -162,9 +162,12 @@ def up(
     state = state_dir(data_root)
     state.mkdir(parents=True, exist_ok=True)
     old = read_record(data_root)
-    if old and old.policy == policy and all(_alive(s) and _healthy(s.url) for s in old.services):
+    if old and not serves(old, policy, serving.engine):
+        down(data_root)  # another policy or another engine: a fresh stack below
+        old = None
+    if old and all(_alive(s) and _healthy(s.url) for s in old.services):
         return old
-    if old and old.policy == policy and all(s.command for s in old.services):
+    if old and all(s.command for s in old.services):
         with contextlib.suppress(RuntimeError):  # a service that cannot start again: a fresh stack below
             revive(data_root)  # keeps what runs (a campaign may be using it), starts what died
         old = read_record(data_root)
@@ -392,10 +395,17 @@ def status(data_root: str) -> list[dict[str, object]]:
     ]
 
 
-def running_stack(data_root: str, policy: str) -> UpRecord | None:
-    """The stack `gyre up` started for this data root and policy, if its engines and gateway answer."""
+def serves(record: UpRecord, policy: str, engine: str) -> bool:
+    """Whether a recorded stack serves ``policy`` with engines of kind ``engine`` ('gyre', 'vllm')."""
+    engines = [s for s in record.services if s.name.startswith("engine-")]
+    return record.policy == policy and all(s.marker == ENGINE_MARKERS[engine] for s in engines)
+
+
+def running_stack(data_root: str, policy: str, engine: str = "gyre") -> UpRecord | None:
+    """The stack `gyre up` started for this data root and policy with this kind of engine, if its
+    engines and gateway answer."""
     record = read_record(data_root)
-    if record is None or record.policy != policy:
+    if record is None or not serves(record, policy, engine):
         return None
     if not all(_alive(s) and _healthy(s.url) for s in record.services if s.name != "prefect"):
         return None
