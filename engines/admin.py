@@ -44,6 +44,7 @@ from typing import Any, Generic, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, Field, TypeAdapter
 
+from engines.devices import DevicesReport
 from engines.protocol import ID_PATTERN, EngineCompletion, WireModel
 
 Answer = TypeVar("Answer")
@@ -131,6 +132,8 @@ class EngineStatsReport(EngineCounters):
     kv_tokens: int = 0
     """Cached tokens across all sessions, against ``kv_budget_tokens``."""
     kv_budget_tokens: int | None = None
+    devices: DevicesReport | None = None
+    """What its process got from its cell (engines/devices.py): visible GPUs, torch threads, cores."""
 
 
 # the gateway's bodies ---------------------------------------------------------------------------------

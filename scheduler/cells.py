@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.admin import AdminClient, DrainReport
+from engines.devices import CellDevices, process_env
+from engines.devices import settings as devices
 from engines.train.satellite import run_satellite
 from scheduler.policy import CellState, Role
 
@@ -65,12 +67,14 @@ class Switch:
         return sum(self.phases.values())
 
 
-def replica_main(model_dir: str, threads: int, loss: dict, commands, events, leave) -> None:
-    """A cell's trainer replica: builds the model once, then joins the steps it is sent to.
+def replica_main(model_dir: str, env: dict[str, str], loss: dict, commands, events, leave) -> None:
+    """A cell's trainer replica: takes its cell's devices (``env``: engines/devices.py process_env),
+    builds the model once, then joins the steps it is sent to.
 
-    commands: ("join", host, port, step) or ("stop",); events: ("joined", info) once it counts in the
-    step, then ("done", result) when it left or the step ended; ``leave`` (an Event) asks it to leave
-    after its current micro-batch."""
+    commands: ("join", host, port, step) or ("stop",); events: ("ready", what it got: DevicesReport)
+    once built, ("joined", info) once it counts in the step, then ("done", result) when it left or the
+    step ended; ``leave`` (an Event) asks it to leave after its current micro-batch."""
+    devices.enter_cell(env)  # before torch touches a GPU or starts threads
     import torch
 
     from engines.model.weights import load_model
@@ -78,9 +82,8 @@ def replica_main(model_dir: str, threads: int, loss: dict, commands, events, lea
     from engines.train.stream import read_batch
     from engines.train.worker import GradWorker
 
-    torch.set_num_threads(threads)
     worker = GradWorker(load_model(model_dir, dtype=torch.float32), LossConfig(**loss))
-    events.put(("ready", {}))
+    events.put(("ready", devices.report().model_dump()))
     while True:
         command = commands.get()
         if command[0] == "stop":
@@ -102,20 +105,25 @@ def replica_main(model_dir: str, threads: int, loss: dict, commands, events, lea
 class Replica:
     """The handle of one replica process (spawned once, reused by every switch of its cell)."""
 
-    def __init__(self, model_dir: str, threads: int, loss: dict | None = None):
+    def __init__(
+        self, model_dir: str, threads: int, loss: dict | None = None, cell: CellDevices | None = None
+    ):
+        """``cell``: its cell's GPUs and cores (``threads`` threads, or the cell's when given)."""
         context = multiprocessing.get_context("spawn")
         self.commands, self.events, self.leave = context.Queue(), context.Queue(), context.Event()
+        env = process_env(cell or CellDevices(threads=threads))
         self.process = context.Process(
             target=replica_main,
-            args=(model_dir, threads, loss or {}, self.commands, self.events, self.leave),
+            args=(model_dir, env, loss or {}, self.commands, self.events, self.leave),
             daemon=True,
         )
         self.process.start()
         self.busy = False
         self.last_result: dict | None = None
+        self.devices: dict | None = None  # what its process got (DevicesReport), once ready
 
     def wait_ready(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
-        self._expect("ready", timeout_s)
+        _, self.devices = self._expect("ready", timeout_s)
 
     def join(self, host: str, port: int, step: int, timeout_s: float = JOIN_TIMEOUT_S) -> dict:
         self.leave.clear()
@@ -254,25 +262,33 @@ class CellPool:
         threads: int = 1,
         loss: dict | None = None,
         clock=time.monotonic,
+        cells: list[CellDevices] | None = None,
     ) -> CellPool:
         """A campaign's cells on this machine: each spec's engine behind the gateway and, but for the
-        core's, a replica process of ``model_dir`` (``threads`` torch threads) started and ready."""
+        core's, a replica process of ``model_dir`` (``threads`` torch threads) started and ready.
+        ``cells``: each spec's devices (its replica takes its cell's GPUs, cores and threads)."""
         if sum(s.core for s in specs) != 1:
             raise ValueError(
                 f"a pool needs exactly one core cell; got {[s.cell_id for s in specs if s.core]}"
             )
-        cells = [
-            Cell(s, GatewayEngine(admin, s), None if s.core else Replica(model_dir, threads, loss))
-            for s in specs
+        if cells is not None and len(cells) != len(specs):
+            raise ValueError(f"{len(cells)} cells' devices for {len(specs)} cells")
+        pool = [
+            Cell(
+                s,
+                GatewayEngine(admin, s),
+                None if s.core else Replica(model_dir, threads, loss, cells[i] if cells else None),
+            )
+            for i, s in enumerate(specs)
         ]
-        for cell in cells:
+        for cell in pool:
             if cell.replica:
                 cell.replica.wait_ready()
 
         def sessions() -> dict[str, int]:
             return {e.engine_id: e.sessions for e in admin.gateway_stats().engines}
 
-        return cls(cells, sessions=sessions, on_close=admin.close, clock=clock)
+        return cls(pool, sessions=sessions, on_close=admin.close, clock=clock)
 
     def now(self) -> float:
         return self.clock() - self.started

@@ -28,6 +28,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, Field
 
 from engines.admin import AdminClient
+from engines.devices import CellDevices
 from engines.train.run import TrainStepReport
 from scheduler.cells import CellPool, CellSpec, Switch
 from scheduler.controller import Controller, Runtime, StepWork
@@ -74,11 +75,14 @@ class Campaign(Runtime, Protocol):
     def close(self) -> None: ...
 
 
-def cell_pool(admin: AdminClient, engine_urls: list[str], model_dir: str) -> CellPool:
-    """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``."""
+def cell_pool(
+    admin: AdminClient, engine_urls: list[str], model_dir: str, cells: list[CellDevices] | None = None
+) -> CellPool:
+    """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``;
+    ``cells``: each cell's devices (its replica's GPUs, cores and threads; None: one thread each)."""
     engines = {e.url: e.engine_id for e in admin.gateway_stats().engines}
     specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
-    return CellPool.behind_gateway(admin, specs, model_dir, threads=1)
+    return CellPool.behind_gateway(admin, specs, model_dir, threads=1, cells=cells)
 
 
 def run_controller(

@@ -35,6 +35,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from engines.admin import AdminClient
+from engines.devices import CellDevices
 from engines.quantiles import quantile
 from engines.train.config import TrainerConfig
 from engines.train.run import TrainStepReport
@@ -51,7 +52,7 @@ from scheduler.report import Outcome, StepDone
 from scheduler.service import SchedulerConfig, cell_pool, schedule_steps
 from tasks.campaign import ProblemsConfig, choose_problems
 from tasks.commit import StepRecord, StepTimes, commit_step, last_committed, write_metric_rows, write_metrics
-from tasks.services.campaign import Services, policy_path, serve_version
+from tasks.services.campaign import Services, ServingConfig, policy_path, serve_version
 from tasks.train import CoreService, CoreStep, step_request
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
@@ -81,12 +82,14 @@ class CampaignRuntime:
         trainer_threads: int = 1,
         seed: int = 0,
         problems: ProblemsConfig | None = None,
+        trainer_cell: CellDevices | None = None,
     ):
         self.services, self.store, self.config = services, store, dispatch_config
         self.problems = problems  # None: the caller hands the controller its StepWork itself
         self.selection, self.packing, self.trainer = selection, packing, trainer
         self.init_model, self.max_policy_lag = init_model, max_policy_lag
         self.trainer_threads, self.seed = trainer_threads, seed
+        self.trainer_cell = trainer_cell  # the core's GPUs and cores (ServingConfig.trainer_cell)
         self.core: CoreService | None = None
         self.ledgers: dict[int, StepLedger] = {}
         self.zygote: Zygote | None = None  # one warm harness launcher for every execution it dispatches
@@ -135,7 +138,7 @@ class CampaignRuntime:
 
     def start_training(self, step: int) -> CoreStep:
         if self.core is None:
-            self.core = CoreService(self.trainer_threads)
+            self.core = CoreService(self.trainer_threads, self.trainer_cell)
         request = step_request(
             step, self.services, self.init_model, self.trainer, threads=self.trainer_threads, seed=self.seed
         )
@@ -238,6 +241,7 @@ class ScheduleJob(BaseModel):
     selection: SelectionConfig
     packing: PackingConfig
     trainer: TrainerConfig
+    serving: ServingConfig = ServingConfig()  # each cell's devices: its replica's and the core's
     services: Services  # its tokens are secrets: shown masked, sent in the clear only on the pipe
 
     def wire(self) -> str:
@@ -263,7 +267,11 @@ def main() -> int:
         services.admin_token.get_secret_value(),
         services.engine_admin_token.get_secret_value(),
     )
-    pool = cell_pool(admin, services.engine_urls, job.policy)
+    serving = job.serving
+    # a running `gyre up` stack may have other engines than this config names: then no cell is placed
+    placed = len(services.engine_urls) == serving.engines
+    cells = [serving.engine_cell(i) for i in range(serving.engines)] if placed else None
+    pool = cell_pool(admin, services.engine_urls, job.policy, cells)
     runtime = CampaignRuntime(
         services,
         job.store,
@@ -275,6 +283,7 @@ def main() -> int:
         max_policy_lag=job.max_policy_lag,
         seed=job.seed,
         problems=job.problems,
+        trainer_cell=serving.trainer_cell() if placed else None,
     )
     schedule_steps(
         runtime,

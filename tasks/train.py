@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import task
 from prefect.runtime import task_run
 
+from engines.devices import CellDevices, process_env
 from engines.train.config import LossConfig, TrainerConfig
 from engines.train.run import TrainStepReport, TrainStepRequest
 from engines.train.stream import StreamProducer
@@ -75,10 +76,18 @@ def step_request(
     )
 
 
-def run_trainer_process(request: TrainStepRequest, env: dict[str, str] | None = None) -> TrainStepReport:
-    """Runs one step in a fresh process; its log is in the error when it fails."""
-    environment = {**os.environ, **(env or {})}
-    environment.update(OMP_NUM_THREADS=str(request.threads), MKL_NUM_THREADS=str(request.threads))
+def trainer_env(threads: int, cell: CellDevices | None = None) -> dict[str, str]:
+    """The trainer process's environment: this one's, with its cell's GPUs and cores (ServingConfig's
+    trainer_cell; None: none named) and ``threads`` threads."""
+    cell = (cell or CellDevices()).model_copy(update={"threads": threads})
+    return {**os.environ, **process_env(cell)}
+
+
+def run_trainer_process(
+    request: TrainStepRequest, env: dict[str, str] | None = None, cell: CellDevices | None = None
+) -> TrainStepReport:
+    """Runs one step in a fresh process (on ``cell``'s devices); its log is in the error when it fails."""
+    environment = {**trainer_env(request.threads, cell), **(env or {})}
     with tempfile.TemporaryFile() as log:
         process = subprocess.run(
             [sys.executable, "-m", "engines.train.run"],
@@ -101,8 +110,10 @@ def run_trainer_process(request: TrainStepRequest, env: dict[str, str] | None = 
 
 
 @task(name="train", task_run_name="train step {request.step}", retries=2, retry_delay_seconds=2)
-def train_step(request: TrainStepRequest, env: dict[str, str] | None = None) -> TrainStepReport:
-    report = run_trainer_process(request, env)
+def train_step(
+    request: TrainStepRequest, env: dict[str, str] | None = None, cell: CellDevices | None = None
+) -> TrainStepReport:
+    report = run_trainer_process(request, env, cell)
     report.metrics["train_attempts"] = float(task_run.run_count or 1)  # > 1: a trainer died, retried
     return report
 
@@ -111,8 +122,8 @@ class CoreService:
     """The core as one long-lived process (`python -m engines.train.run --serve`): a step request per
     stdin line; per step, its streaming address (one JSON line) and then its report (the next)."""
 
-    def __init__(self, threads: int):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    def __init__(self, threads: int, cell: CellDevices | None = None):
+        env = trainer_env(threads, cell)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "engines.train.run", "--serve"],
             stdin=subprocess.PIPE,

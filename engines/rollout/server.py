@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import secrets
 import sys
 import time
 import uuid
@@ -80,6 +79,8 @@ from engines.admin import (
     WeightsLoaded,
     WeightsRequest,
 )
+from engines.auth import bearer_guard, error_response
+from engines.devices import settings as devices
 from engines.model.weights import read_weights
 from engines.options import parse_config
 from engines.protocol import (
@@ -126,16 +127,9 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, str(exc.errors()[:3]))
+        return error_response(400, str(exc.errors()[:3]))
 
-    def admin(request: Request) -> None:
-        if admin_token is None:
-            raise HTTPException(403, "admin endpoints are off: start the server with an admin token")
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), admin_token.encode()):
-            raise HTTPException(
-                401, "missing or wrong admin bearer token", headers={"WWW-Authenticate": "Bearer"}
-            )
+    admin = bearer_guard(admin_token)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -154,14 +148,14 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: EngineCompletionRequest):
         if body.n != 1 or body.stream or body.echo:
-            return _error(400, "n > 1, stream and echo are not supported")
+            return error_response(400, "n > 1, stream and echo are not supported")
         prompts = [body.prompt] if body.prompt and isinstance(body.prompt[0], int) else body.prompt
         if not prompts or any(not p for p in prompts):
-            return _error(
+            return error_response(
                 400, "prompt must be a non-empty list of token ids (or of such lists); no tokenizer here"
             )
         if body.session_id is not None and len(prompts) > 1:
-            return _error(400, "session_id needs a single prompt")
+            return error_response(400, "session_id needs a single prompt")
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -183,7 +177,7 @@ def create_app(
         try:
             outputs = await asyncio.gather(*(loop.generate(r) for r in requests))
         except ValueError as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         return _completion(base, model_name, outputs, body.logprobs)
 
     @app.post(ENGINE_WEIGHTS.path, dependencies=[Depends(admin)])
@@ -222,14 +216,16 @@ def create_app(
         try:
             handle = ShmHandle.model_validate(body.handle)
         except ValidationError as exc:
-            return _error(400, f"handle is not a {transport.__class__.__name__} handle: {exc.errors()[:3]}")
+            return error_response(
+                400, f"handle is not a {transport.__class__.__name__} handle: {exc.errors()[:3]}"
+            )
         state = await asyncio.to_thread(transport.receive, handle)
         request_id = state.decode.request.request_id if state.decode else None
         future = loop.expect(request_id) if body.wait and request_id else None
         try:
             await asyncio.to_thread(engine.import_session, state)
         except ValueError as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         loop.notify()
         if future is None:
             return SessionImported(session_id=state.session_id, request_id=request_id)
@@ -247,17 +243,11 @@ def create_app(
             running=len(engine.running),
             kv_tokens=engine.kv_tokens,
             kv_budget_tokens=engine.config.kv_budget_tokens,
+            devices=devices.report(),
             **engine.stats.model_dump(),
         )
 
     return app
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    body = {
-        "error": {"message": message, "type": "BadRequestError" if status == 400 else "Error", "code": status}
-    }
-    return JSONResponse(body, status_code=status)
 
 
 def _completion(
@@ -330,6 +320,7 @@ def serve(config: EngineServerConfig) -> None:
     """Loads the model, prints the start banner on stderr and serves until interrupted."""
     import uvicorn
 
+    devices.enter_cell()  # its cell's cores and threads, before the model and the loop's threads
     engine = RolloutEngine(config.model, config.engine_config())
     app = create_app(engine, admin_token=config.admin_token, model_name=config.served_model_name)
     print(

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 import torch
 from pydantic import BaseModel, Field
 
+from engines.devices import settings as devices
 from engines.model.weights import load_model
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
@@ -251,6 +252,7 @@ def serve() -> int:
 
 
 def main() -> int:
+    devices.enter_cell()  # the cell's cores and threads (its GPUs: CUDA_VISIBLE_DEVICES, set by the spawner)
     if sys.argv[1:] == ["--serve"]:
         return serve()
     request = TrainStepRequest.model_validate_json(sys.stdin.read())

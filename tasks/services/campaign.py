@@ -56,13 +56,12 @@ def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) ->
         )
 
     try:
-        running = running_stack(store.data_root, model)
+        running = running_stack(store.data_root, model, serving.engine)
         if running is not None:
             yield services(running)
             return
-        sizes = {"engines": serving.engines, "threads": serving.engine_threads}
-        sizes |= {"max_batch_size": serving.max_batch_size, "dtype": serving.engine_dtype}
-        with local_stack(model, store, **sizes) as stack:
+        cells = [serving.engine_cell(index) for index in range(serving.engines)]
+        with local_stack(model, store, engines=serving.engines, cells=cells, serving=serving) as stack:
             yield services(stack)
     finally:
         shutil.rmtree(fast_dir, ignore_errors=True)

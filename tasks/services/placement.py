@@ -1,7 +1,7 @@
 """Placement: which cells serve rollouts and which train, asked by a step at each phase.
 
     phase = Colocate().rollout(services, serving)    # engines that take this step's executions
-    phase = Colocate().training(services, serving)   # engines put to sleep, the trainer's threads
+    phase = Colocate().training(services, serving)   # engines put to sleep, the trainer's threads and devices
 
 This is the seam the elastic scheduler takes over (it will answer from its own state); ``Colocate``
 is the baseline every framework ships: the whole pool rolls out, then the whole pool trains.
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from engines.devices import CellDevices
 from tasks.services.campaign import Services, ServingConfig
 
 
@@ -20,6 +21,7 @@ class Phase:
     serving: list[str]  # engine URLs awake, taking executions' calls
     sleeping: list[str]  # engine URLs asleep: their cells train
     trainer_threads: int
+    trainer: CellDevices | None = None  # the trainer process's devices (ServingConfig.trainer_cell)
 
 
 class Placement(Protocol):
@@ -35,4 +37,9 @@ class Colocate:
         return Phase(serving=list(services.engine_urls), sleeping=[], trainer_threads=0)
 
     def training(self, services: Services, serving: ServingConfig) -> Phase:
-        return Phase(serving=[], sleeping=list(services.engine_urls), trainer_threads=serving.trainer_threads)
+        return Phase(
+            serving=[],
+            sleeping=list(services.engine_urls),
+            trainer_threads=serving.trainer_threads,
+            trainer=serving.trainer_cell(),
+        )

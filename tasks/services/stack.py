@@ -18,12 +18,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 
+from engines.devices import CellDevices, process_env
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
-from engines.rollout.config import EngineConfig, EngineServerConfig
+from tasks.services.serving import engine_process
+from tasks.services.up import ServingConfig
 from trajectory_store.storage import StoreConfig
 
 
@@ -49,26 +52,33 @@ def local_stack(
     threads: int = 1,
     max_batch_size: int = 8,
     step: int = 0,
-    dtype: str = "auto",
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
+    cells: list[CellDevices] | None = None,
+    engine: Literal["gyre", "vllm"] = "gyre",
+    vllm_python: str | None = None,
+    serving: ServingConfig | None = None,
 ) -> Iterator[LocalStack]:
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
-    its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk."""
+    its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk.
+    ``cells``: what each engine's process gets (its GPUs, threads and cores: ServingConfig.engine_cell),
+    one per engine, in place of ``threads``. ``engine``: 'gyre' or 'vllm' (tasks/services/serving.py);
+    ``serving``: a campaign's whole [serving] (its engine kind and vLLM options) in place of
+    max_batch_size, dtype, engine and vllm_python."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, **process_env(CellDevices(threads=threads))}
+    if cells is not None and len(cells) != engines:
+        raise ValueError(f"{len(cells)} cells for {engines} engines: one cell per engine")
     with contextlib.ExitStack() as stack:
         engine_urls, processes = [], {}
-        for _ in range(engines):
-            engine = EngineServerConfig(
-                model=model_dir,
-                port=free_port(),
-                admin_token=engine_token,
-                engine=EngineConfig(max_batch_size=max_batch_size, dtype=dtype),
-            )  # engine_id None: each engine is rollout-<its port>
-            url = f"http://{engine.host}:{engine.port}"
-            command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
-            processes[url] = stack.enter_context(
-                serving_process(command, url, env, stdin=engine.model_dump_json())
-            )
+        serving = serving or ServingConfig(
+            max_batch_size=max_batch_size, engine_dtype=dtype, engine=engine, vllm_python=vllm_python
+        )
+        for index in range(engines):
+            engine_env = {**os.environ, **process_env(cells[index])} if cells is not None else env
+            port = free_port()
+            command, stdin, _ = engine_process(model_dir, serving, port, engine_token)
+            url = f"http://127.0.0.1:{port}"
+            processes[url] = stack.enter_context(serving_process(command, url, engine_env, stdin=stdin))
             engine_urls.append(url)
         gateway = GatewayConfig(
             model=model_dir,
@@ -107,7 +117,7 @@ def serving_process(
         with process.stdin:  # type: ignore[union-attr]
             process.stdin.write((stdin or "").encode())  # type: ignore[union-attr]
         try:
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + 300
             while True:
                 if process.poll() is not None:
                     log.seek(0)
@@ -117,7 +127,7 @@ def serving_process(
                     if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{' '.join(command[:3])} did not start within 180 s")
+                    raise RuntimeError(f"{' '.join(command[:3])} did not start within 300 s")
                 time.sleep(0.2)
             yield process
         finally:

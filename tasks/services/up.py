@@ -33,15 +33,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Literal
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from engines.admin import AdminClient, AdminError
+from engines.devices import process_env
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
-from engines.rollout.config import EngineConfig, EngineServerConfig
+from tasks.services.serving import ENGINE_MARKERS, ServingConfig, engine_process
 from trajectory_store.storage import StoreConfig
 
 RECORD = "services.json"
@@ -148,20 +148,6 @@ def _start(
     )
 
 
-class ServingConfig(BaseModel):
-    """The processes of a campaign on this machine."""
-
-    engines: int = Field(1, ge=1, description="rollout engine processes")
-    engine_threads: int = Field(1, ge=1, description="torch threads per engine")
-    max_batch_size: int = Field(8, ge=1, description="sequences an engine decodes at once")
-    trainer_threads: int = Field(2, ge=1, description="torch threads of the trainer process")
-    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32",
-        description="weights and KV dtype of the engines; float32 by default, the trainer's dtype on CPU, so "
-        "behaviour logprobs match what the trainer computes (a bf16 policy file is widened)",
-    )
-
-
 def up(
     data_root: str,
     policy: str,
@@ -176,9 +162,12 @@ def up(
     state = state_dir(data_root)
     state.mkdir(parents=True, exist_ok=True)
     old = read_record(data_root)
-    if old and old.policy == policy and all(_alive(s) and _healthy(s.url) for s in old.services):
+    if old and not serves(old, policy, serving.engine):
+        down(data_root)  # another policy or another engine: a fresh stack below
+        old = None
+    if old and all(_alive(s) and _healthy(s.url) for s in old.services):
         return old
-    if old and old.policy == policy and all(s.command for s in old.services):
+    if old and all(s.command for s in old.services):
         with contextlib.suppress(RuntimeError):  # a service that cannot start again: a fresh stack below
             revive(data_root)  # keeps what runs (a campaign may be using it), starts what died
         old = read_record(data_root)
@@ -214,24 +203,13 @@ def up(
             services.append(_start("prefect", command, prefect_api_url, "server start", state, prefect_env))
             ui_url = f"http://127.0.0.1:{port}"
         engine_token, admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
-        threads = str(serving.engine_threads)
-        engine_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         engine_urls = []
         for index in range(serving.engines):
-            config = EngineServerConfig(
-                model=policy,
-                port=engine_port + index if engine_port else free_port(),
-                admin_token=engine_token,
-                engine=EngineConfig(max_batch_size=serving.max_batch_size, dtype=serving.engine_dtype),
-            )
-            url = f"http://127.0.0.1:{config.port}"
-            command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
-            name = f"engine-{index}"
-            services.append(
-                _start(
-                    name, command, url, "engines.rollout.server", state, engine_env, config.model_dump_json()
-                )
-            )
+            port = engine_port + index if engine_port else free_port()
+            command, stdin, marker = engine_process(policy, serving, port, engine_token)
+            url = f"http://127.0.0.1:{port}"
+            engine_env = process_env(serving.engine_cell(index))  # its cell's GPUs, threads and cores
+            services.append(_start(f"engine-{index}", command, url, marker, state, engine_env, stdin))
             engine_urls.append(url)
         gateway = GatewayConfig(
             model=policy,
@@ -417,10 +395,17 @@ def status(data_root: str) -> list[dict[str, object]]:
     ]
 
 
-def running_stack(data_root: str, policy: str) -> UpRecord | None:
-    """The stack `gyre up` started for this data root and policy, if its engines and gateway answer."""
+def serves(record: UpRecord, policy: str, engine: str) -> bool:
+    """Whether a recorded stack serves ``policy`` with engines of kind ``engine`` ('gyre', 'vllm')."""
+    engines = [s for s in record.services if s.name.startswith("engine-")]
+    return record.policy == policy and all(s.marker == ENGINE_MARKERS[engine] for s in engines)
+
+
+def running_stack(data_root: str, policy: str, engine: str = "gyre") -> UpRecord | None:
+    """The stack `gyre up` started for this data root and policy with this kind of engine, if its
+    engines and gateway answer."""
     record = read_record(data_root)
-    if record is None or record.policy != policy:
+    if record is None or not serves(record, policy, engine):
         return None
     if not all(_alive(s) and _healthy(s.url) for s in record.services if s.name != "prefect"):
         return None
