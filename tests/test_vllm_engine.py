@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from engines.admin import AdminClient
 from engines.model.weights import load_model, save_weights
+from engines.net import free_port
 from environments.gateway_admin import GatewayAdmin
 from tasks.services.stack import local_stack
 from trajectory_store.db import connect, verify_prompts
@@ -176,3 +177,49 @@ def test_draining_a_vllm_engine_moves_its_session_and_its_next_call_recomputes_o
         assert calls[-1]["prompt"][: len(held) - 1] == held[:-1]  # the recorded context, exactly
     finally:
         admin.activate(source)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_vllm_serves_and_reloads_a_model_of_another_family_with_exact_logprobs(family, tmp_path):
+    """Your own model on the vLLM engine: a tiny random Llama / Mistral built here, served by vLLM
+    behind the adapter; its raw logprobs match transformers before and after a new version."""
+    from engines.model import ModelConfig
+    from engines.model.build import save_model_folder
+    from tasks.services.serving import ServingConfig, engine_process
+    from tasks.services.stack import serving_process
+
+    folder = str(tmp_path / family)
+    save_model_folder(ModelConfig(preset="tiny", family=family, seed=3), folder)
+    port = free_port()
+    command, stdin, _ = engine_process(folder, ServingConfig(engine="vllm"), port, "tok")
+    url = f"http://127.0.0.1:{port}"
+    with serving_process(command, url, {**os.environ, "OMP_NUM_THREADS": "1"}, stdin=stdin):
+        model = load_model(folder, dtype=torch.float32)
+        prompt = list(range(20, 180))
+        body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "seed": 1, "temperature": 1.0}
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        call = {
+            "prompt": prompt,
+            "output": first["token_ids"],
+            "logprobs": first["logprobs"]["token_logprobs"],
+        }
+        assert _max_logprob_gap(model, call) < 1e-3
+
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+        save_weights(model.state_dict(), str(tmp_path / "v1.safetensors"), 1)
+        with AdminClient(engine_token="tok") as admin:
+            new = admin.load_weights(
+                url, str(tmp_path / "v1.safetensors"), drop_kv=True
+            )  # no KV of v0 reused
+            assert new.policy_version == 1
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert again["gyre"]["policy_versions"] == [1] * len(again["token_ids"])
+        call = {
+            "prompt": prompt,
+            "output": again["token_ids"],
+            "logprobs": again["logprobs"]["token_logprobs"],
+        }
+        assert _max_logprob_gap(model, call) < 1e-3
