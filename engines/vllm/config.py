@@ -56,6 +56,11 @@ class VllmServerConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM's --tensor-parallel-size")
     enforce_eager: bool = Field(True, description="vLLM's --enforce-eager (no CUDA graphs: fast start)")
     seed: int = Field(0, description="vLLM's --seed (requests bring their own seeds)")
+    sleep_mode: bool | None = Field(
+        None,
+        description="vLLM's --enable-sleep-mode (sleep frees the GPU's weights and KV); None = on where a GPU "
+        "driver is present (/dev/nvidiactl or /dev/kfd): vLLM refuses it on CPU",
+    )
     start_timeout_s: float = Field(600.0, gt=0, description="how long vLLM may take to answer /health")
     extra_args: list[str] = Field(
         default_factory=list, description="more vLLM server arguments, passed as they are"

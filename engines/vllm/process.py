@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -70,7 +71,14 @@ def vllm_command(config: VllmServerConfig, port: int) -> list[str]:
         command += ["--max-model-len", str(config.max_model_len)]
     if config.enforce_eager:
         command.append("--enforce-eager")
+    if config.sleep_mode if config.sleep_mode is not None else gpu_driver_present():
+        command.append("--enable-sleep-mode")
     return command + list(config.extra_args)
+
+
+def gpu_driver_present() -> bool:
+    """Whether this host has a GPU driver vLLM's sleep mode runs on (CUDA or ROCm)."""
+    return Path("/dev/nvidiactl").exists() or Path("/dev/kfd").exists()
 
 
 def vllm_env(config: VllmServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
