@@ -223,3 +223,14 @@ def test_vllm_serves_and_reloads_a_model_of_another_family_with_exact_logprobs(f
             "logprobs": again["logprobs"]["token_logprobs"],
         }
         assert _max_logprob_gap(model, call) < 1e-3
+
+
+def test_a_seeded_prompt_longer_than_a_prefill_chunk_does_not_kill_vllm(stack, admin):
+    """vLLM 0.32's CPU build killed its engine core on a seeded prompt whose prefill it split in chunks
+    (2,048 tokens); the adapter gives it a batch budget of the whole model length (process.py)."""
+    url = stack.engine_urls[0]
+    body = {"prompt": [10 + i % 3000 for i in range(3000)], "max_tokens": 2, "seed": 5, "logprobs": 1}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"][0]["token_ids"]) == 2
+    assert admin.engine_stats(url).engine_id.startswith("vllm-")  # still serving

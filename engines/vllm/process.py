@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -71,9 +72,24 @@ def vllm_command(config: VllmServerConfig, port: int) -> list[str]:
         command += ["--max-model-len", str(config.max_model_len)]
     if config.enforce_eager:
         command.append("--enforce-eager")
-    if config.sleep_mode if config.sleep_mode is not None else gpu_driver_present():
+    gpu = gpu_driver_present()
+    if config.sleep_mode if config.sleep_mode is not None else gpu:
         command.append("--enable-sleep-mode")
+    if not gpu and "--max-num-batched-tokens" not in config.extra_args:
+        # vLLM 0.32's CPU build kills its engine core when a seeded request's prefill is split in
+        # chunks ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync): a prompt
+        # longer than the batch budget (2,048 tokens here) with a seed, which every rollout call has.
+        # A budget of the whole model length keeps every prefill in one chunk.
+        command += ["--max-num-batched-tokens", str(model_length(config))]
     return command + list(config.extra_args)
+
+
+def model_length(config: VllmServerConfig) -> int:
+    """The longest sequence the engine serves: max_model_len, else the model's max_position_embeddings."""
+    if config.max_model_len is not None:
+        return config.max_model_len
+    model = json.loads((Path(config.model) / "config.json").read_text())
+    return int(model.get("max_position_embeddings") or 8192)
 
 
 def gpu_driver_present() -> bool:
