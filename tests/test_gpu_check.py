@@ -126,9 +126,8 @@ def test_vllm_section_starts_serves_reloads_and_sleeps_through_the_product_path(
     assert entry["python"] == vllm_python and entry["vllm_python"][0]["why"] is None
     assert entry["policy"] == "data/policies/tiny-sft" and entry["dtype"] == "float32"
     assert entry["start_s"] > 0
-    # 8 sessions x turns calls, each max_tokens tokens (random ids: no early stop)
-    assert entry["calls"] == 8 * entry["turns"]
-    assert entry["output_tokens"] == entry["calls"] * entry["max_tokens"]
+    assert entry["calls"] == 8 * entry["turns"]  # 8 sessions, each an agent loop of `turns` calls
+    assert 0 < entry["output_tokens"] <= entry["calls"] * entry["max_tokens"]  # the policy may stop early
     assert entry["tokens_per_s"] > 0
     assert entry["prefix_cache_hit_ratio"] > 0  # each turn's prompt extends the last one
     assert entry["reload_policy_version"] == 1 and entry["policy_versions_after_reload"] == [1]
