@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -59,12 +59,23 @@ VOCAB = (10, 4000)  # ordinary ids of the policy's vocabulary (no control tokens
 
 
 @contextlib.contextmanager
-def engine_server(kind: str, policy: str = POLICY, vllm_args: list[str] | None = None) -> Iterator[str]:
+def engine_server(
+    kind: str,
+    policy: str = POLICY,
+    vllm_args: list[str] | None = None,
+    *,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+    vllm_python: str | None = None,
+) -> Iterator[str]:
     """One engine of ``kind`` serving ``policy``, as a campaign starts it; yields its URL (its process
-    tree's pid in PIDS)."""
+    tree's pid in PIDS). ``vllm_python``: vLLM's environment (None: ServingConfig's default)."""
     port = free_port()
     serving = ServingConfig(
-        engine=kind, engine_dtype="float32", max_batch_size=CONCURRENCY, vllm_args=vllm_args or []
+        engine=kind,
+        engine_dtype=dtype,
+        max_batch_size=CONCURRENCY,
+        vllm_python=vllm_python,
+        vllm_args=vllm_args or [],
     )
     command, stdin, _ = engine_process(policy, serving, port, TOKEN)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -19,8 +19,14 @@
 # Without CUDA it falls back to .venv (tiny preset, tiny sizes) and writes bench/results/gpu_cpu.json,
 # so a CPU run never overwrites the GPU figures.
 #
+# Sections: engine, train, deepspeed, role_switch, migration, vllm (bench/gpu/__init__.py says what each
+# measures). vllm starts one vLLM engine through the product's path with the first of $GYRE_VLLM_PYTHON,
+# ./.venv-vllm/bin/python and the python running the check whose environment holds vLLM; vLLM cannot
+# travel with the repository (at most 64 MiB) and the GPU machine reaches no registry, so without one
+# the section records "skipped" and why, and the check goes on. On CPU it uses .venv-vllm (make vllm).
+#
 # Environment: GPU_CHECK_BUDGET (seconds, default 420), GPU_CHECK_TIMEOUT (default 470), OUT (a folder
-# for gpu.json and the log, optional).
+# for gpu.json and the log, optional), GYRE_VLLM_PYTHON (vLLM's python, optional).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

@@ -1,5 +1,5 @@
-"""The GPU check: the rollout engine, tree-packed training, the DeepSpeed core and role
-switches, measured in ONE run on one device; JSON out.
+"""The GPU check: the rollout engine, tree-packed training, the DeepSpeed core, role switches, KV
+migration and a vLLM engine, measured in ONE run on one device; JSON out.
 
     bash bench/gpu_check.sh                                   # the one command on a GPU machine
     python -m bench.gpu --budget 420 --out bench/results/gpu.json [--quick] [--copy-to DIR]
@@ -31,12 +31,19 @@ run leaves what it measured):
     migration    two engine processes on the one device: a session's KV moved A->B over /dev/shm
                  (ShmTransport) and over torch IPC (TorchIpcTransport: a CUDA IPC handle on a GPU)
                  vs recomputing the context on B
+    vllm         one vLLM engine started as a campaign starts it (tasks/services/serving.py engine_process:
+                 our adapter in front of vLLM's server): start, tokens/s at concurrency 8 (bench/engines_compare
+                 agent_workload), a weight reload of version 1, sleep and wake with version 2 (free GPU memory
+                 before / asleep / after on a GPU, vLLM's sleep mode; on CPU a pause, memory kept). vLLM is the
+                 first of $GYRE_VLLM_PYTHON, ./.venv-vllm/bin/python and this python whose environment holds
+                 it; none: "skipped" with the reason (the device machine reaches no package registry and
+                 carries at most 64 MiB, so vLLM runs there only if its image has it)
 
 Timings synchronize the device around each measured interval; figures are wall-clock.
 
 Modules: plan.py (sizes per device), run.py (the budget, the models, the shared batch, the JSON), one
-module per section (engine.py, train.py, deepspeed_core.py, role_switch.py, migration.py), check.py
-(``main`` and the summary), __main__.py (the command line).
+module per section (engine.py, train.py, deepspeed_core.py, role_switch.py, migration.py,
+vllm_engine.py), check.py (``main`` and the summary), __main__.py (the command line).
 """
 
 from bench.gpu.check import DEFAULT_OUT, main, summary

@@ -15,6 +15,7 @@ from bench.gpu.plan import SECTIONS
 from bench.gpu.role_switch import section_role_switch
 from bench.gpu.run import Run, quiet_transformers
 from bench.gpu.train import section_train
+from bench.gpu.vllm_engine import section_vllm
 
 DEFAULT_OUT = "bench/results/gpu.json"
 SECTION_FUNCTIONS: dict[str, Callable[[Run, dict, float], None]] = {
@@ -23,6 +24,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Run, dict, float], None]] = {
     "deepspeed": section_deepspeed,
     "role_switch": section_role_switch,
     "migration": section_migration,
+    "vllm": section_vllm,
 }
 
 
@@ -76,7 +78,30 @@ def summary(report: dict) -> list[str]:
                     f"{kind} {r[kind]['migrate_ms']} ms" for kind in ("shm", "ipc") if kind in r
                 )
                 lines.append(f"  {r['context_tokens']:5d} tokens: {moved}, recompute {r['recompute_ms']} ms")
+        elif name == "vllm" and "start_s" in entry:
+            lines.append(vllm_line(entry))
     return lines
+
+
+def vllm_line(entry: dict) -> str:
+    """The vllm section's figures on one line (a figure it could not measure reads '-')."""
+
+    def get(key: str) -> Any:
+        return entry.get(key, "-")
+
+    memory = entry.get("memory", {})
+    if "free_gpu_gib_asleep" in memory:
+        held = (
+            f"free GPU {memory['free_gpu_gib_before_sleep']} -> {memory['free_gpu_gib_asleep']} -> "
+            f"{memory.get('free_gpu_gib_after_wake', '-')} GiB"
+        )
+    else:
+        held = f"a pause on CPU, RSS {memory.get('rss_awake_mib', '-')} -> {memory.get('rss_asleep_mib', '-')} MiB"
+    return (
+        f"  vLLM {get('vllm')} {get('policy')} {get('dtype')}: start {get('start_s')} s, {get('tokens_per_s')} tok/s "
+        f"at concurrency {get('concurrency')}, reload v1 {get('reload_s')} s (serves {get('policy_versions_after_reload')}), "
+        f"sleep {get('sleep_s')} s, wake v2 {get('wake_s')} s (serves {get('policy_versions_after_wake')}; {held})"
+    )
 
 
 def main(

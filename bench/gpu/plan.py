@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SECTIONS = ("engine", "train", "deepspeed", "role_switch", "migration")
+SECTIONS = ("engine", "train", "deepspeed", "role_switch", "migration", "vllm")
 MEASURED = {  # the key that holds a section's figures once it measured anything
     "engine": "runs",
     "train": "runs",
     "deepspeed": "mean_step_s",
     "role_switch": "cycles",
     "migration": "runs",
+    "vllm": "start_s",
 }
 GOALS_S = {"rollout_to_train": 3.0, "train_to_rollout": 1.5}
 
@@ -39,6 +40,10 @@ class Plan:
     migration_preset: str
     migration_contexts: tuple[int, ...]
     migration_repeats: int
+    vllm_preset: str | None  # the model vLLM serves; None: the shipped policy data/policies/tiny-sft
+    vllm_gpu_memory_utilization: (
+        float  # vLLM's share of the GPU (weights + KV), so the check's own CUDA context fits
+    )
     shares: dict  # section -> share of the remaining budget it may use
     min_s: dict  # section -> seconds it needs to be worth starting
 
@@ -50,13 +55,22 @@ class Plan:
             "deepspeed": (self.deepspeed_preset,),
             "role_switch": (self.switch_preset,),
             "migration": (self.migration_preset,),
+            "vllm": (self.vllm_preset,) if self.vllm_preset else (),
         }
         return list(dict.fromkeys(preset for name in sections for preset in used[name]))
 
 
 def make_plan(cuda: bool, quick: bool) -> Plan:
     """The GPU plan on CUDA, else the tiny CPU fallback; ``quick`` shrinks either."""
-    shares = {"engine": 0.35, "train": 0.2, "deepspeed": 0.15, "role_switch": 0.1, "migration": 0.2}
+    # vllm: its start alone takes 30-60 s on CPU, less on a GPU; last, so it gets what the others leave
+    shares = {
+        "engine": 0.3,
+        "train": 0.15,
+        "deepspeed": 0.12,
+        "role_switch": 0.08,
+        "migration": 0.15,
+        "vllm": 0.2,
+    }
     if cuda:
         big = ("gpu-0.5b",) if quick else ("gpu-0.5b", "gpu-1.5b")
         role = "gpu-0.5b" if quick else "gpu-1.5b"
@@ -79,8 +93,17 @@ def make_plan(cuda: bool, quick: bool) -> Plan:
             migration_preset=role,
             migration_contexts=(2048,) if quick else (2048, 8192),
             migration_repeats=3,
+            vllm_preset=big[0],
+            vllm_gpu_memory_utilization=0.3,
             shares=shares,
-            min_s={"engine": 40, "train": 25, "deepspeed": 30, "role_switch": 20, "migration": 40},
+            min_s={
+                "engine": 40,
+                "train": 25,
+                "deepspeed": 30,
+                "role_switch": 20,
+                "migration": 40,
+                "vllm": 60,
+            },
         )
     return Plan(
         dtype="float32",
@@ -101,6 +124,8 @@ def make_plan(cuda: bool, quick: bool) -> Plan:
         migration_preset="tiny",
         migration_contexts=(128,) if quick else (256, 1024),
         migration_repeats=1 if quick else 2,
+        vllm_preset=None,
+        vllm_gpu_memory_utilization=0.3,
         shares=shares,
-        min_s={"engine": 3, "train": 3, "deepspeed": 3, "role_switch": 3, "migration": 5},
+        min_s={"engine": 3, "train": 3, "deepspeed": 3, "role_switch": 3, "migration": 5, "vllm": 60},
     )
