@@ -52,6 +52,8 @@ def test_an_s3_store_that_stops_loses_no_call(tmp_path):
     assert counts["calls"] >= 2 and recovery is not None
 
 
+# timing-sensitive (kills land in phases of a running campaign): never beside the vLLM engines' processes
+@pytest.mark.xdist_group("vllm")
 def test_a_campaign_lives_through_its_processes_killed(tmp_path):
     """`gyre run` (its own process, against `gyre up`'s services) while, in turn, its Prefect server
     dies mid-rollout, its trainer mid-train, an engine mid-rollout, the gateway mid-rollout, and

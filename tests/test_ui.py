@@ -20,6 +20,8 @@ def _text(html: str) -> str:
 
 
 @pytest.mark.slow
+# timing-sensitive (a browser renders what the server has): never beside the vLLM engines' processes
+@pytest.mark.xdist_group("vllm")
 @pytest.mark.skipif(
     shutil.which("chromium") is None,
     reason="LOUD: no chromium on PATH; install Debian's chromium (apt-get install chromium) to run the UI test",

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import os
 import threading
+import time
 
 import httpx
 import pytest
@@ -136,6 +137,10 @@ def test_a_new_version_is_served_without_restarting_vllm_and_each_call_records_i
     long_call: list[dict] = []
     thread = threading.Thread(target=lambda: long_call.extend(_turns(client, ["count"], max_tokens=120)))
     thread.start()
+    deadline = time.monotonic() + 60
+    while not any(e.in_flight for e in admin.gateway_stats().engines):  # the call is at its engine
+        assert time.monotonic() < deadline and thread.is_alive(), "the long call never reached an engine"
+        time.sleep(0.05)
     for url in stack.engine_urls:  # while that call decodes: each swap waits for it, then holds calls back
         assert admin.load_weights(url, path, drop_kv=True).policy_version == 1
     thread.join(120)
