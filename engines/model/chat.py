@@ -135,9 +135,20 @@ def _parse_call(body: str) -> dict[str, Any] | None:
         value = json.loads(body)
     except json.JSONDecodeError:
         return None
+    return tool_call(value)
+
+
+def tool_call(value: Any, arguments_keys: tuple[str, ...] = ("arguments",)) -> dict[str, Any] | None:
+    """``{"name", "arguments"}`` from a decoded call object, or None when it is not one: a string name and
+    an object of arguments under the first of ``arguments_keys`` present (a JSON string holding an object
+    is accepted too; none present: no arguments). Every tool-call format's parser uses it."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", {})
+    arguments: Any = {}
+    for key in arguments_keys:
+        if key in value:
+            arguments = value[key]
+            break
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)

@@ -26,6 +26,7 @@ from typing import Any
 
 from engines.model.chat import TOOL_CALL_FORMAT as QWEN_FORMAT
 from engines.model.chat import parse_tool_calls as parse_qwen
+from engines.model.chat import tool_call
 
 LLAMA3_FORMAT = "llama3-json"
 MISTRAL_FORMAT = "mistral"
@@ -59,7 +60,7 @@ def parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
     except json.JSONDecodeError:
         return text.strip(), []
     items = value if isinstance(value, list) else [value]
-    calls = [_call(item, ("arguments", "parameters")) for item in items]
+    calls = [tool_call(item, ("arguments", "parameters")) for item in items]
     if not calls or any(call is None for call in calls) or tail.lstrip()[end:].strip():
         return text.strip(), []
     return head.strip(), calls  # type: ignore[return-value]
@@ -105,7 +106,7 @@ def _json_calls(body: str, *, separator: str, arguments_keys: tuple[str, ...]) -
             value, end = decoder.raw_decode(rest)
         except json.JSONDecodeError:
             return None
-        call = _call(value, arguments_keys)
+        call = tool_call(value, arguments_keys)
         if call is None:
             return None
         calls.append(call)
@@ -117,21 +118,3 @@ def _json_calls(body: str, *, separator: str, arguments_keys: tuple[str, ...]) -
         elif rest:
             return None
     return calls
-
-
-def _call(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments: Any = {}
-    for key in arguments_keys:
-        if key in value:
-            arguments = value[key]
-            break
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return {"name": value["name"], "arguments": arguments}
