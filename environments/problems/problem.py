@@ -89,6 +89,11 @@ class Problem(JsonFields):
     difficulty: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
     """free-form, JSON-able facts about the problem (length knob, item count, source folder)"""
+    harness: list[str] | None = None
+    """the external harness command this problem's suite names (None: the dispatcher's harness);
+    the same placeholders as DispatchConfig.harness_command"""
+    grade_timeout_s: float | None = None
+    """wall clock of one grade of this problem (None: the dispatcher's grade_timeout_s)"""
 
     def __post_init__(self) -> None:
         self.checks = [c if isinstance(c, Check) else Check(**c) for c in self.checks]
