@@ -23,6 +23,7 @@ from cli.executions import add_gateway_options, admin_token_for, call_gateway, g
 from cli.format import Rows, render
 
 SUITES = ["repo", "swe", "terminal", "mixed", "folder"]
+"""The names --suite always knows; an installed suite's name (gyre suite list) or module:function works too."""
 
 
 def add_rollout_parser(commands) -> None:
@@ -30,11 +31,18 @@ def add_rollout_parser(commands) -> None:
         "rollout", help="run agent executions against a gateway and print status and reward of each"
     )
     rollout.add_argument(
-        "--suite", choices=SUITES, required=True, help="generated problems (mixed: all three), or folder"
+        "--suite",
+        required=True,
+        help=f"{', '.join(SUITES)} (generated problems, mixed: all three; folder: --problems), an installed "
+        "suite's name (gyre suite list) or module:function",
     )
     rollout.add_argument("--n", type=int, default=4, help="problems (each runs --group-size times)")
     rollout.add_argument("--timeout", type=float, default=120.0, help="deadline of one execution, seconds")
-    rollout.add_argument("--problems", default=None, help="folder of problem folders (--suite folder)")
+    rollout.add_argument(
+        "--problems",
+        default=None,
+        help="folder of problem folders, or a manifest (.jsonl, .parquet), with --suite folder",
+    )
     rollout.add_argument("--seed", type=int, default=0, help="seed of the generated problems")
     rollout.add_argument("--difficulty", type=int, default=1, help="difficulty of the generated problems")
     rollout.add_argument(

@@ -294,6 +294,7 @@ class Progress:
     def __init__(self, config) -> None:
         self.config = config
         self.expected = config.problems.per_step * config.dispatch.group_size
+        self.held_out: int | None = None  # the held-out executions of one evaluation, counted once
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.bar = RichProgress(
@@ -311,6 +312,19 @@ class Progress:
         self.thread.join(timeout=5)
         self.bar.stop()
 
+    def _held_out_executions(self) -> int:
+        """Generated suites give per_suite held-out problems each; a finite suite its held_out part."""
+        if self.held_out is None:
+            from tasks.campaign import held_out_problems
+
+            evaluation = self.config.evaluation
+            problems = self.config.problems
+            count = evaluation.per_suite * len(problems.suites)
+            if not problems.round_robin:
+                count = len(held_out_problems(evaluation, problems))
+            self.held_out = count * evaluation.samples
+        return self.held_out
+
     def state(self) -> tuple[float, str]:
         """(steps done, a fraction of the current step included; what the bar says)."""
         from tasks.commit import committed_steps
@@ -324,8 +338,7 @@ class Progress:
         completed = done + min(len(current), self.expected) / max(self.expected, 1)
         head = f"{done}/{self.config.steps} steps committed; "
         if not current:  # before a step's first execution: the held-out evaluation of that version, if due
-            evaluation = self.config.evaluation
-            expected = evaluation.per_suite * len(self.config.problems.suites) * evaluation.samples
+            expected = self._held_out_executions()
             held_out = Store(store.model_copy(update={"campaign": f"{self.config.name}-eval"}))
             evaluated = held_out.read_columns("executions", ["execution_id"], done).num_rows
             if 0 < evaluated < expected:

@@ -11,6 +11,7 @@
     gyre traj sample OUT.jsonl [--preset sample]       write a synthetic paper-shaped trace
     gyre sql [--format table|csv|json] "SQL"           query the views (read-only: queries only)
     gyre snapshot export|restore EXECUTION_ID OUT      an execution's workspace snapshot as a tar.gz or a folder
+    gyre suite check PATH | gyre suite list            a problem suite checked problem by problem; the suites known
     gyre rollout --suite terminal --n 4 (--gateway URL | --model DIR)
                                                        agent executions: dispatched, graded, recorded
     gyre execution register [--problem-id P]           register one execution (an external harness):
@@ -44,7 +45,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cli import agents, campaign, executions, schedule, settings, snapshot
+from cli import agents, campaign, executions, schedule, settings, snapshot, suite
 from cli.format import render
 from cli.model import add_model_parsers, run_model_command
 from engines.gateway import settings as gateway_settings
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_rollout_parser(commands)
     executions.add_execution_parser(commands)
     snapshot.add_snapshot_parser(commands)
+    suite.add_suite_parser(commands)
     agents.add_bench_parser(bench_commands)
     campaign.add_campaign_parsers(commands, bench_commands)
     schedule.add_schedule_parser(bench_commands)
@@ -271,6 +273,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return executions.run_execution_command(args)
     if args.command == "snapshot":
         return snapshot.run_snapshot_command(args)
+    if args.command == "suite":
+        return suite.run_suite_command(args)
     if args.command == "model" and args.model_command == "sft":
         return agents.run_sft_command(args)
     if args.command == "model" and args.model_command == "eval":

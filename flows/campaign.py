@@ -3,7 +3,8 @@
     from flows.campaign import campaign
     campaign(CampaignConfig.from_toml("configs/demo.toml"))
 
-``campaign`` starts the serving stack (engines + gateway), evaluates the starting policy on held-out
+``campaign`` records the suites' split (tasks/campaign.py record_suites: written once, a changed suite
+refused on resume), starts the serving stack (engines + gateway), evaluates the starting policy on held-out
 problems, runs ``rl_step`` for every step not yet committed (a subflow run per step, named
 ``step <n>``), evaluates every ``evaluation.every`` steps and at the end, and returns the records.
 Run again with the same campaign name, it resumes after the last committed step: every task is
@@ -33,6 +34,7 @@ from tasks.campaign import (
     free_engines,
     held_out_problems,
     pack_step,
+    record_suites,
     roll_out,
     serve,
 )
@@ -135,6 +137,7 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
         logger.info("campaign %s: every one of its %d steps is committed", config.name, config.steps)
         _track(config)
         return []
+    record_suites(config.problems, store)  # written once; on resume, refuses suites that changed
     records = []
     with campaign_services(config.policy, store, config.serving) as services:
         logger.info("campaign %s: steps %d to %d", config.name, start, config.steps - 1)

@@ -104,7 +104,7 @@ class CampaignConfig(BaseModel):
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"campaign config {path} is not valid TOML: {exc}") from None
         try:
-            return cls.model_validate(data)
+            config = cls.model_validate(data)
         except ValidationError as exc:  # one line per problem, each with where it is in the file
             lines = []
             for error in exc.errors():
@@ -112,6 +112,9 @@ class CampaignConfig(BaseModel):
                 message = error["msg"].removeprefix("Value error, ")
                 lines.append(f"[{where}] {message}" if where else message)
             raise ValueError(f"campaign config {path}: " + "\n  ".join(lines)) from None
+        # a suite's path is the file's neighbour, wherever the campaign runs from
+        config.problems = config.problems.relative_to(Path(path).resolve().parent)
+        return config
 
 
 def _sections(annotation: Any) -> list[type]:

@@ -17,24 +17,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import io
+import json
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Literal
 from uuid import UUID
 
 import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.artifacts import update_progress_artifact
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from environments.dispatch import dispatch_missing
 from environments.dispatch_config import DispatchConfig
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate
 from environments.runner import ExecutionOutcome
+from environments.suites import BUILTIN, SuiteMix, SuiteSpec, record_changes
 from tasks.services.campaign import (
     Services,
     policy_path,
@@ -57,14 +61,23 @@ __all__ = [
     "EvaluationConfig",
     "HarnessConfig",
     "ProblemsConfig",
+    "SuiteSpec",
 ]
+
+
+_SUITE_SPEC = TypeAdapter(SuiteSpec)
 
 
 class ProblemsConfig(BaseModel):
     """Which problems a step trains on (groups of dispatch.group_size executions each)."""
 
-    suites: list[Literal["repo", "swe", "terminal"]] = Field(
-        default_factory=lambda: ["repo"], description="generated suites, taken round-robin"
+    suites: list[str | SuiteSpec] = Field(
+        default_factory=lambda: ["repo"],
+        description="the problem suites: a name (a built-in generator: repo, swe, terminal, or an installed "
+        "suite) or a table { name, path, entry_point, weight, harness, held_out, validation } "
+        "(environments/suites/spec.py SuiteSpec); generated suites named alone are taken round-robin, any "
+        "other mix is apportioned by weight",
+        min_length=1,
     )
     difficulty: int = Field(
         1,
@@ -97,6 +110,56 @@ class ProblemsConfig(BaseModel):
         "N problems from generator seed seed, which the steps go through in turn, per_step at a time (epochs "
         "over a dataset; with pool = per_step, every step trains on the same problems)",
     )
+
+    @field_validator("suites", mode="before")
+    @classmethod
+    def _suite_tables(cls, value: Any) -> Any:
+        """A table becomes a SuiteSpec here, so an error names the suite and the key (not pydantic's
+        two attempts at ``str | SuiteSpec``); a misspelt key is refused, not dropped."""
+        if not isinstance(value, list):
+            return value
+        known = [f.name for f in dataclasses.fields(SuiteSpec)]
+        specs = []
+        for entry in value:
+            if not isinstance(entry, dict):
+                specs.append(entry)
+                continue
+            name = entry.get("name", "?")
+            unknown = sorted(set(entry) - set(known))
+            if unknown:
+                raise ValueError(f"suite {name}: unknown key(s) {unknown}; a suite has {', '.join(known)}")
+            try:
+                specs.append(_SUITE_SPEC.validate_python(entry))
+            except ValidationError as exc:
+                wrong = "; ".join(
+                    ".".join(map(str, e["loc"])) + ": " + e["msg"] if e["loc"] else e["msg"]
+                    for e in exc.errors()
+                ).replace("Value error, ", "")
+                raise ValueError(wrong if wrong.startswith("suite ") else f"suite {name}: {wrong}") from None
+        return specs
+
+    @model_validator(mode="after")
+    def _unique_suite_names(self) -> ProblemsConfig:
+        names = self.suite_names
+        doubled = sorted({n for n in names if names.count(n) > 1})
+        if doubled:
+            raise ValueError(f"suites {doubled} appear more than once; each suite needs a name of its own")
+        return self
+
+    @property
+    def suite_names(self) -> list[str]:
+        return [SuiteSpec.of(s).name for s in self.suites]
+
+    @property
+    def round_robin(self) -> bool:
+        """Only built-in generators, named alone: taken round-robin, as campaigns always did (a resumed
+        campaign chooses the problems it chose before)."""
+        return all(isinstance(s, str) and s in BUILTIN for s in self.suites)
+
+    def relative_to(self, base: str | Path) -> ProblemsConfig:
+        """A copy whose suites' relative paths are taken from ``base`` (the campaign config's folder)."""
+        suites = [s.relative_to(base) if isinstance(s, SuiteSpec) else s for s in self.suites]
+        return self.model_copy(update={"suites": suites})
 
     @model_validator(mode="after")
     def _pool_holds_a_step(self) -> ProblemsConfig:
@@ -136,8 +199,24 @@ def problems_for(
     return ordered[skip : skip + n]
 
 
+def suite_mix(config: ProblemsConfig) -> SuiteMix:
+    """The suites of ``config``, opened and split (environments/suites/mix.py)."""
+    rounds = 1 + (config.top_up_rounds if config.zero_signal == "top_up" else 0)
+    return SuiteMix.open(
+        [SuiteSpec.of(s) for s in config.suites],
+        seed=config.seed,
+        per_step=config.per_step,
+        rounds=rounds,
+        difficulty=config.difficulty,
+        length=config.length,
+        pool=config.pool,
+    )
+
+
 @task(name="choose-problems", task_run_name="choose problems step {step} round {round}")
 def choose_problems(config: ProblemsConfig, step: int, round: int = 0) -> list[dict[str, Any]]:
+    if not config.round_robin:
+        return [p.to_json() for p in suite_mix(config).step_problems(step, round)]
     if config.pool:
         pool = problems_for(list(config.suites), config.pool, config.seed, config.difficulty, config.length)
         start = step * config.per_step + round * config.per_step
@@ -154,6 +233,10 @@ def choose_problems(config: ProblemsConfig, step: int, round: int = 0) -> list[d
 
 
 def held_out_problems(config: EvaluationConfig, problems: ProblemsConfig) -> list[dict[str, Any]]:
+    """Generated suites: ``per_suite`` problems from the evaluation's seed; finite suites: their
+    held_out part (at most ``per_suite``)."""
+    if not problems.round_robin:
+        return [p.to_json() for p in suite_mix(problems).held_out(config.per_suite, config.seed)]
     return [
         p.to_json()
         for suite in problems.suites
@@ -161,6 +244,35 @@ def held_out_problems(config: EvaluationConfig, problems: ProblemsConfig) -> lis
             suite, config.per_suite, seed=config.seed, difficulty=problems.difficulty, length=problems.length
         )
     ]
+
+
+SPLIT_RECORD = "suites.json"
+
+
+@task(name="record-suites", task_run_name="record the suites' split")
+def record_suites(config: ProblemsConfig, store: StoreConfig) -> dict[str, Any]:
+    """Writes the suites' split (which problems train, which are held out, a hash of each) into the
+    campaign's folder the first time; later, refuses to go on if the suites changed since (ValueError
+    naming each problem that did)."""
+    if config.round_robin:
+        now = {"version": 1, "suites": [{"name": n, "kind": "generated"} for n in config.suite_names]}
+    else:
+        now = suite_mix(config).record()
+    target = Store(store)
+    path = target.path(SPLIT_RECORD)
+    if not target.exists(path):
+        target.write_bytes(path, json.dumps(now, indent=1, sort_keys=True).encode())
+        return now
+    changes = record_changes(json.loads(target.read_bytes(path)), now)
+    if changes:
+        shown = "\n  ".join(changes[:20]) + (
+            f"\n  ... and {len(changes) - 20} more" if len(changes) > 20 else ""
+        )
+        raise ValueError(
+            f"campaign {store.campaign}: its suites changed since it started ({target.url(path)} records "
+            f"them):\n  {shown}\nput the suites back, or start a campaign of another name"
+        )
+    return now
 
 
 # -- rollouts --------------------------------------------------------------------------------

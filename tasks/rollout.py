@@ -14,7 +14,8 @@ import asyncio
 import functools
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict
-from typing import Any, ParamSpec, TypeVar
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar, cast
 
 from prefect import task
 
@@ -24,6 +25,7 @@ from environments.gateway_admin import GatewayAdminError
 from environments.harness import HarnessConfig
 from environments.problems import Problem, generate, read_folder
 from environments.runner import ExecutionOutcome
+from environments.suites import FiniteSuite, GeneratedSuite, SuiteSpec, open_suite
 from trajectory_store.storage import StoreConfig
 
 __all__ = [
@@ -42,19 +44,38 @@ SUITE_NAMES = ("repo", "swe", "terminal")
 def choose_problems(
     suite: str, n: int, *, seed: int = 0, difficulty: int = 1, length: int = 1, folder: str | None = None
 ) -> list[Problem]:
-    """``n`` problems of a generated suite, or the first ``n`` of a folder of problems (suite 'folder');
-    suite 'mixed' takes them round-robin from the three generated suites."""
+    """``n`` problems of a generated suite, or the first ``n`` of a folder of problems or a manifest
+    (suite 'folder', ``folder`` the path); suite 'mixed' takes them round-robin from the three generated
+    suites; any other name is an installed suite, or ``module:function`` a plugin
+    (environments/suites)."""
     if suite == "folder":
         if not folder:
-            raise ValueError("suite 'folder' needs --problems DIR (a folder of problem folders)")
-        loaded = read_folder(folder)
-        for error in loaded.errors:
+            raise ValueError(
+                "suite 'folder' needs --problems PATH (a folder of problem folders, or a manifest)"
+            )
+        if Path(folder).is_dir():
+            loaded = read_folder(folder)
+            problems, errors = loaded.problems, loaded.errors
+        else:
+            opened = open_suite(SuiteSpec(name="manifest", path=folder))
+            problems, errors = cast(FiniteSuite, opened).problems, cast(FiniteSuite, opened).errors
+        for error in errors:
             print(f"skipped problem: {error}")
-        return loaded.problems[:n]
+        return problems[:n]
     if suite == "mixed":
         per = [generate(name, n, seed=seed, difficulty=difficulty, length=length) for name in SUITE_NAMES]
         return [per[i % len(per)][i // len(per)] for i in range(n)]
-    return generate(suite, n, seed=seed, difficulty=difficulty, length=length)
+    if suite in SUITE_NAMES:
+        return generate(suite, n, seed=seed, difficulty=difficulty, length=length)
+    spec = (
+        SuiteSpec(name=suite.rpartition(":")[2], entry_point=suite) if ":" in suite else SuiteSpec(name=suite)
+    )
+    opened = open_suite(spec)
+    if isinstance(opened, GeneratedSuite):
+        return opened.generate(n, seed=seed, difficulty=difficulty, length=length)
+    for error in opened.errors:
+        print(f"skipped problem: {error}")
+    return opened.problems[:n]
 
 
 P = ParamSpec("P")
