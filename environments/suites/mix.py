@@ -13,8 +13,9 @@ A generated suite's problems of step n come from generator seed ``seed + n`` (ro
 the earlier rounds' ones); with ``pool`` > 0 a generated suite is a finite one of ``pool`` problems
 from generator seed ``seed``. A finite suite goes through its training split in epochs: epoch e is the
 split in a seeded shuffle of its own, and the suite's problems of (n, r) are the next ones in that
-stream, counted as if every step ran every round. A step never gets the same problem twice, and never
-a held-out or validation one.
+stream, counted as if every step ran every round; an epoch's first problems are none of the last
+epoch's last ones (a step may straddle the two). A step never gets the same problem twice, and never
+a held-out or validation one; each training problem comes once per epoch.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class SuiteMix:
     length: int = 1
     _starts: dict[int, list[int]] = field(default_factory=dict, repr=False)
     """step -> what _start gave for it (the sums grow with the step: each is computed once)"""
+    _orders: dict[tuple[str, int], list[str]] = field(default_factory=dict, repr=False)
+    """(suite, epoch) -> its order (each epoch's depends on the one before)"""
 
     @classmethod
     def open(
@@ -154,25 +157,47 @@ class SuiteMix:
 
     def _stream(self, suite: MixedSuite, start: int, count: int) -> list[str]:
         """``count`` distinct training ids from position ``start`` of the suite's epoch stream."""
-        train = suite.split.train if suite.split else []
+        size = len(suite.split.train) if suite.split else 0
         taken: list[str] = []
         position = start
         while len(taken) < count:
-            epoch, index = divmod(position, len(train))
-            order = list(train)
-            random.Random(f"gyre-epoch/{self.seed}/{suite.spec.name}/{epoch}").shuffle(order)
-            problem_id = order[index]
-            if problem_id not in taken:  # an epoch's start may repeat the one before's end: skip it
+            epoch, index = divmod(position, size)
+            problem_id = self._order(suite, epoch)[index]
+            if problem_id not in taken:  # only where an epoch could not be kept apart from the last
                 taken.append(problem_id)
             position += 1
         return taken
 
-    def _check_room(self) -> None:
+    def _order(self, suite: MixedSuite, epoch: int) -> list[str]:
+        """Epoch ``epoch`` of a finite suite: its training ids in a seeded shuffle, rearranged so that
+        its first ids are none of the previous epoch's last (a step's problems can straddle the two)."""
+        name = suite.spec.name
+        done = max((e for n, e in self._orders if n == name and e <= epoch), default=-1)
+        window = self._most(suite) - 1
+        while done < epoch:
+            done += 1
+            order = list(suite.split.train if suite.split else [])
+            random.Random(f"gyre-epoch/{self.seed}/{name}/{done}").shuffle(order)
+            if done > 0 and window > 0:
+                tail = set(self._orders[(name, done - 1)][-window:])
+                for i in range(min(window, len(order))):
+                    if order[i] in tail:
+                        later = next((j for j in range(window, len(order)) if order[j] not in tail), None)
+                        if later is not None:
+                            order[i], order[later] = order[later], order[i]
+            self._orders[(name, done)] = order
+        return self._orders[(name, epoch)]
+
+    def _most(self, suite: MixedSuite) -> int:
+        """The most problems one step takes of ``suite`` (every round run)."""
         total = sum(s.spec.weight for s in self.suites)
+        return self.rounds * math.ceil(self.per_step * suite.spec.weight / total)
+
+    def _check_room(self) -> None:
         for suite in self.suites:
             if suite.split is None:
                 continue
-            most = self.rounds * math.ceil(self.per_step * suite.spec.weight / total)
+            most = self._most(suite)
             if len(suite.split.train) < most:
                 raise SuiteError(
                     f"suite {suite.spec.name} has {len(suite.split.train)} problems to train on, but a step "
