@@ -5,6 +5,7 @@ retried through the API (what the UI's Retry does) and resumes without dispatchi
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -248,3 +249,62 @@ def test_a_flow_whose_process_is_killed_is_marked_crashed(local_server):
             asyncio.run(remove(first))
     assert run.state.type.value == "CRASHED", run.state
     assert "no heartbeat" in (run.state.message or "")
+
+
+SUITES_CONFIG = """
+policy = "{policy}"
+steps = 1
+[store]
+data_root = "{data}"
+[packing]
+token_budget = 4096
+[problems]
+suites = [{{ name = "mine", path = "problems", held_out = ["p00"] }}, "repo"]
+per_step = 2
+zero_signal = "keep"
+[evaluation]
+per_suite = 1
+[dispatch]
+group_size = 2
+concurrency = 2
+timeout_s = 60
+[dispatch.durations]
+short_turns = 1
+long_fraction = 0.0
+[dispatch.harness]
+max_tokens = 16
+max_retries = 0
+max_subagents = 0
+[serving]
+trainer_threads = 1
+"""
+
+
+@pytest.mark.slow
+def test_a_scheduled_campaign_trains_on_a_folder_suite_beside_a_generator(prefect_harness, tmp_path):
+    """What a deployment runs (scheduled_campaign on a config file): a user's problem folder, its path
+    relative to the file, mixed with repo; both are trained on, the held-out problem only evaluated."""
+    from flows.campaign import scheduled_campaign
+    from tests.campaign_fixtures import tiny_policy
+    from trajectory_store.storage import Store, StoreConfig
+
+    grade = 'if [ -f done.txt ]; then echo \'{"passed": 1, "total": 1}\'; else echo \'{"passed": 0, "total": 1}\'; fi\n'
+    for name in ("p00", "p01", "p02"):
+        (tmp_path / "problems" / name).mkdir(parents=True)
+        (tmp_path / "problems" / name / "instruction.md").write_text(f"Create done.txt ({name}).\n")
+        (tmp_path / "problems" / name / "grade.sh").write_text(grade)
+    data = tmp_path / "data"
+    config = tmp_path / "campaign.toml"
+    config.write_text(SUITES_CONFIG.format(policy=tiny_policy(tmp_path / "policy"), data=data))
+    records = scheduled_campaign(config_path=str(config), name="suites")
+    assert [r.step for r in records] == [0]
+    (name,) = [p.name for p in (data / "campaigns").iterdir() if not p.name.endswith("-eval")]
+    trained = Store(StoreConfig(data_root=str(data), campaign=name)).read_table("executions").to_pylist()
+    trained_ids = {r["problem_id"] for r in trained}
+    assert {i.split("-")[0] for i in trained_ids} == {"mine", "repo"} and len(trained) == 4
+    assert "mine-p00" not in trained_ids
+    evaluated = Store(StoreConfig(data_root=str(data), campaign=f"{name}-eval")).read_table("executions")
+    assert "mine-p00" in {r["problem_id"] for r in evaluated.to_pylist()}
+    split = json.loads((data / "campaigns" / name / "suites.json").read_text())
+    assert [s["name"] for s in split["suites"]] == ["mine", "repo"]
+    assert list(split["suites"][0]["held_out"]) == ["mine-p00"]
