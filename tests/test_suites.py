@@ -26,7 +26,7 @@ from environments.suites import (
     open_suite,
 )
 from flows.config import CampaignConfig
-from tasks.campaign import ProblemsConfig, choose_problems, held_out_problems, record_suites
+from tasks.campaign import EvaluationConfig, ProblemsConfig, choose_problems, held_out_problems, record_suites
 from tasks.rollout import choose_problems as rollout_problems
 from trajectory_store.storage import StoreConfig
 
@@ -363,3 +363,14 @@ def test_suite_check_of_a_folder_names_a_malformed_problem_folder(tmp_path, caps
     out = capsys.readouterr().out
     assert f"FAIL {root / 'noinstr'}: malformed: instruction.md is missing" in out
     assert "ok   suite-p00: untouched 0.00, no reference solution" in out
+
+
+def test_a_pool_of_a_generated_suite_trains_in_epochs_and_still_evaluates_from_its_seed(tmp_path):
+    config = ProblemsConfig(
+        suites=[{"name": "mine", "path": str(folder_suite(tmp_path / "mine", 3))}, "repo"], per_step=2, pool=2
+    )
+    steps = [[p["problem_id"] for p in choose_problems.fn(config, step)] for step in range(4)]
+    repo = {i for step in steps for i in step if i.startswith("repo-")}
+    assert repo == {"repo-s5000-d1l1-000", "repo-s5000-d1l1-001"}  # the pool, from generator seed seed
+    held = [p["problem_id"] for p in held_out_problems(EvaluationConfig(per_suite=2), config)]
+    assert held == ["repo-s0-d1l1-000", "repo-s0-d1l1-001"]  # mine has no held_out part

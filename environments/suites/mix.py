@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -54,7 +54,8 @@ def apportion(weights: list[float], n: int, key: str) -> list[int]:
 
 @dataclass
 class MixedSuite:
-    """One suite of the mix: its spec and, for a finite one, its problems and split."""
+    """One suite of the mix: its spec, its generator (a generated suite) and, for a finite one (or a
+    generated one's pool), its problems and split."""
 
     spec: SuiteSpec
     generated: GeneratedSuite | None = None
@@ -103,7 +104,8 @@ class SuiteMix:
                 problems = generated_problems(
                     opened, spec, pool, seed=seed, difficulty=difficulty, length=length
                 )
-                opened = FiniteSuite(problems, [])
+                suites.append(replace(_finite(spec, FiniteSuite(problems, [])), generated=opened))
+                continue
             suites.append(_finite(spec, opened))
         mix = cls(suites, seed, per_step, rounds, difficulty, length)
         mix._check_room()
@@ -124,7 +126,7 @@ class SuiteMix:
         chosen = []
         for index, suite in enumerate(self.suites):
             skip, count = earlier[index], counts[index]
-            if suite.generated is not None:
+            if suite.split is None and suite.generated is not None:
                 problems = generated_problems(
                     suite.generated,
                     suite.spec,
@@ -231,7 +233,7 @@ class SuiteMix:
             [
                 {
                     "name": s.spec.name,
-                    "kind": "generated" if s.generated is not None else "finite",
+                    "kind": "finite" if s.split is not None else "generated",
                     "source": s.spec.path or s.spec.entry_point or s.spec.name,
                     "problems": s.problems,
                     "split": s.split,
