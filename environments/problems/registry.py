@@ -3,6 +3,8 @@
 The suites (repo.py, swe.py, terminal.py) register a generator under their name at import;
 ``generate(suite, n, ...)`` calls it. The same arguments always give the same problems: every
 problem's ``random.Random`` is seeded with its own id (string seeds are stable across runs).
+A campaign reaches these generators as plugins (environments/suites/sources.py: the ``gyrerl.suites``
+entry points), beside folders, manifests and other packages' suites.
 """
 
 from __future__ import annotations
