@@ -276,7 +276,7 @@ def _grade_pytest(problem: Problem, sandbox: Sandbox, copy: Path, timeout_s: flo
     report = sandbox.workspace / "gyre-pytest-report.jsonl"
     runner = pytest_grader.runner_source(
         nonce=nonce,
-        workspace=str(copy),
+        workspace=str(copy.resolve()),
         report=str(report),
         config=str(sandbox.workspace / "gyre-pytest.ini"),
         modules=pytest_grader.hidden_test_modules(problem.hidden_tests),

@@ -116,7 +116,7 @@ START = "start"
 """The report's first line: the runner's imports worked, no agent code has run yet."""
 
 _RUNNER = """
-import ctypes, json, os, sys
+import ctypes, importlib.machinery, json, os, sys
 
 NONCE, WORKSPACE, REPORT, CONFIG, MODULES = {nonce!r}, {workspace!r}, {report!r}, {config!r}, {modules!r}
 try:
@@ -137,7 +137,27 @@ import pytest
 
 _record(event={start!r})
 os.chdir(WORKSPACE)
-sys.path.append(WORKSPACE)
+_SKIPPED = ("<frozen ", os.path.join("importlib", "__init__.py"))
+
+
+# a top-level module in the workspace, after the standard library and site-packages failed, and
+# only for an import made by code that lives in the workspace
+class _FromWorkspace:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if path is not None:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and (
+            frame.f_code.co_filename.startswith(_SKIPPED[0]) or frame.f_code.co_filename.endswith(_SKIPPED[1])
+        ):
+            frame = frame.f_back
+        if frame is None or not frame.f_code.co_filename.startswith(WORKSPACE + os.sep):
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, [WORKSPACE])
+
+
+sys.meta_path.append(_FromWorkspace)
 
 
 class _Recorder:
