@@ -8,7 +8,10 @@ format: a campaign written before the rows may still hold ``snapshots/<execution
 
 Both formats hold the same entries, from one walk: sorted by path; folders (mode 0o755), files
 (0o755 if executable, else 0o644; hard links become plain files) and symlinks (kept, as relative
-links, only when they stay inside the workspace); sockets, fifos and devices are left out. The tar
+links, only when they stay inside the workspace); sockets, fifos and devices are left out.
+``bounded_entries`` is the walk within a byte and an entry limit: the store takes a snapshot within
+the limits its extraction checks (``MAX_EXTRACT_BYTES``, ``MAX_EXTRACT_MEMBERS``), so whatever a
+workspace holds (hard links to one large file count once per link), its snapshot can be restored. The tar
 adds mtime 0, uid/gid 0, empty owner names and gzip header mtime 0, so the same tree gives the same
 bytes whatever its timestamps, and the tar exported from a snapshot's rows is the tar of the
 workspace it was taken from.
@@ -48,18 +51,42 @@ class UnsafeArchive(ValueError):
 def workspace_entries(workspace: str | Path) -> list[SnapshotEntry]:
     """The workspace's entries, sorted by path, each file with its size and sha256 (read once,
     streamed: a large workspace is never held whole). See the module docstring for what is kept."""
+    return bounded_entries(workspace)[0]
+
+
+def bounded_entries(
+    workspace: str | Path, max_bytes: int | None = None, max_members: int | None = None
+) -> tuple[list[SnapshotEntry], list[str]]:
+    """``workspace_entries`` within limits: (the entries, the paths left out). Each path's bytes
+    count against ``max_bytes`` (hard links to one file count once per link, as extraction writes
+    them), so a file that would pass it, and every entry past ``max_members``, is left out unread."""
     root = Path(workspace).resolve()
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             full = Path(dirpath, name)
             found.append((full.relative_to(root).as_posix(), full))
-    entries = []
+    entries: list[SnapshotEntry] = []
+    skipped: list[str] = []
+    total = 0
     for rel, full in sorted(found):
+        if max_members is not None and len(entries) >= max_members:
+            skipped.append(rel)
+            continue
+        if max_bytes is not None and not os.path.islink(full) and full.is_file():
+            size = os.lstat(full).st_size
+            if total + size > max_bytes:
+                skipped.append(rel)
+                continue
         entry = _entry(root, rel, full)
-        if entry is not None:
-            entries.append(entry)
-    return entries
+        if entry is None:
+            continue
+        if entry.kind == "file" and max_bytes is not None and total + entry.size > max_bytes:
+            skipped.append(rel)  # it grew after the size was read
+            continue
+        total += entry.size
+        entries.append(entry)
+    return entries, skipped
 
 
 def _entry(root: Path, rel: str, full: Path) -> SnapshotEntry | None:

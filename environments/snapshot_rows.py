@@ -7,8 +7,10 @@ fresh one for grading with the same refusals as the tar extraction.
     sandbox = sandbox_from_stored(snapshots, uri, fresh_root, secrets.token_hex(8))   # grade here
     data = export_snapshot(snapshots, uri)      # the deterministic tar.gz, = snapshot_bytes(workspace)
 
-``store_workspace`` walks the workspace once (environments/snapshot.py ``workspace_entries``: the
-entries the tar would hold) and stores its rows next to the problem's starting workspace (a
+``store_workspace`` walks the workspace once (environments/snapshot.py ``bounded_entries``: the
+entries the tar would hold, within the limits that ``materialise`` and ``sandbox_from_stored``
+check, so a stored snapshot always restores; what did not fit is left out, and the snapshot then
+holds a ``TRUNCATED_MARKER`` file listing it) and stores its rows next to the problem's starting workspace (a
 ``template`` snapshot built from the problem's files, so `gyre sql` can say what changed), contents
 by sha256 (trajectory_store/snapshots.py).
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import tarfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
@@ -31,16 +34,22 @@ from environments.snapshot import (
     MAX_EXTRACT_BYTES,
     MAX_EXTRACT_MEMBERS,
     UnsafeArchive,
+    bounded_entries,
     check_members,
     extract_snapshot,
     open_workspace_file,
     read_snapshot,
     tar_from_entries,
-    workspace_entries,
     write_members,
 )
 from trajectory_store.snapshots import ContentReader, SnapshotEntry, SnapshotStore, StoredSnapshot
 
+logger = logging.getLogger(__name__)
+
+TRUNCATED_MARKER = ".gyre-snapshot-truncated"
+"""A file a truncated snapshot holds at its root: the paths left out (a dot-file, so no grading
+copy takes it)."""
+_MARKER_BYTES = 8192
 _TYPES = {
     "file": tarfile.REGTYPE,
     "dir": tarfile.DIRTYPE,
@@ -80,14 +89,33 @@ def store_workspace(
     problem_id: str | None,
     source: str = "timeout",
     template_files: Mapping[str, str | bytes] | None = None,
+    max_bytes: int = MAX_EXTRACT_BYTES,
+    max_members: int = MAX_EXTRACT_MEMBERS,
 ) -> str:
-    """Stores the workspace's snapshot (and the problem's template, when given); returns its URI."""
+    """Stores the workspace's snapshot (and the problem's template, when given); returns its URI.
+
+    The snapshot holds what fits ``max_bytes`` and ``max_members`` (the limits its restore checks);
+    what does not is left out, logged, and listed in a ``TRUNCATED_MARKER`` file of the snapshot."""
     root = Path(workspace).resolve()
-    entries = workspace_entries(root)
+    entries, skipped = bounded_entries(root, max_bytes - _MARKER_BYTES, max_members - 1)
+    marker = b""
+    if skipped:
+        logger.warning(
+            "execution %s: its snapshot left out %d paths beyond %d bytes / %d entries (first: %s)",
+            execution_id, len(skipped), max_bytes, max_members, skipped[0],
+        )  # fmt: skip
+        listing = f"{len(skipped)} paths left out of this snapshot (byte or entry limit):\n"
+        marker = (listing + "".join(f"{rel}\n" for rel in skipped)).encode()[:_MARKER_BYTES]
+        entries = [e for e in entries if e.path != TRUNCATED_MARKER]
+        sha = hashlib.sha256(marker).hexdigest()
+        entries.append(SnapshotEntry(TRUNCATED_MARKER, "file", 0o644, len(marker), sha))
+        entries.sort(key=lambda e: e.path)
 
     def content(entry: SnapshotEntry) -> bytes:
+        if skipped and entry.path == TRUNCATED_MARKER:
+            return marker
         with open_workspace_file(root / entry.path) as handle:
-            return handle.read()
+            return handle.read(entry.size)
 
     template = template_entries(template_files) if template_files is not None else None
     return snapshots.write(

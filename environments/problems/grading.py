@@ -1,22 +1,36 @@
 """Grading: a workspace in, a reward out, decided where no code the agent wrote can reach.
 
-Two graders exist (environments/problems/problem.py):
+Every grade starts from a *grading copy* (environments/problems/grading_copy.py): a fresh folder
+holding only what the agent may change (``Problem.editable``; by default everything but the hidden
+test paths, dot-files, packaging metadata and byte code), the template's version of every other
+template file, and the hidden files written over it. FIFOs, devices and sockets are skipped, and
+the copy reads a bounded number of bytes however many hard links the workspace holds. Then one of
+three graders (environments/problems/problem.py) runs in environments/sandbox.py (no network, the
+checkout and other workspaces invisible, CPU, memory, process and wall-clock limits):
 
-- **checks** (the generated suites): each ``Check``'s probe runs in its own sandboxed command,
-  ``<this interpreter> -I -B -`` (isolated: no user site, no PYTHON* variables, neither the
-  workspace nor any script folder on the module path unless the check imports the agent's code),
-  in a fresh copy of the workspace; the probe reports values with ``observe``, and this process,
+- **checks** (the generated suites, and folder problems with a ``checks.py``): each ``Check``'s
+  probe runs in its own sandboxed command, ``<this interpreter> -I -B -`` (isolated: no user site,
+  no PYTHON* variables, neither the workspace nor any script folder on the module path unless the
+  check imports the agent's code); the probe reports values with ``observe``, and this process,
   which imports nothing from the workspace, compares them as JSON with the expected values that
   never entered the sandbox. A probe that crashes, hangs, exits early or prints anything else
   loses its check; it cannot fail the grader. The reward is passed / total.
-- **a grade command** (user problem folders): a bash script run in a fresh copy of the workspace,
-  after the copy is *neutralised* (``neutralise``: pytest configuration and plugins, Python start-up
-  hooks and byte code that the agent wrote or changed are removed, template versions restored) and
-  the hidden tests are added. Its last stdout line is ``{"passed": k, "total": n}``. Such a grader
-  runs the agent's code in its own interpreter; README "Security" says what that leaves open.
+- **the built-in pytest grader** (``Problem.grader == "pytest"``, folder problems with tests/ and
+  no grade command): environments/problems/pytest_grader.py runs pytest over the hidden test
+  modules from a runner outside the workspace and counts, here, only the hidden tests (an AST count
+  fixed before any agent code runs) from a report that carries a nonce only the runner knows.
+- **a grade command** (``grade.sh`` / ``grade = "..."``, the escape hatch): a bash script run in
+  the copy after it is *neutralised* (``neutralise``: pytest configuration, conftest.py and
+  start-up hooks that the agent wrote are removed, ones it changed restored), with
+  ``PYTHONSAFEPATH=1`` (the working folder is not put first on the module path),
+  ``PYTHONNOUSERSITE=1``, ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and ``GYRE_REPORT`` (a path outside
+  the copy) exported. ``grade_output`` says how it reports: ``json`` (last stdout line
+  ``{"passed": k, "total": n}``), ``exit_code`` (0 is 1/1, anything else 0/1) or ``junit`` (JUnit
+  XML written to ``$GYRE_REPORT``, counted per hidden test as the built-in grader counts; a missing
+  report is reward 0).
 
-Every grade runs in environments/sandbox.py (no network, the checkout and other workspaces
-invisible, CPU, memory, process and wall-clock limits), and the agent's workspace is never modified.
+The pytest-based graders and grade commands run the agent's code in the interpreter whose result
+they read; docs/security.md says what that leaves open. The agent's workspace is never modified.
 ``GraderError`` means the grader itself failed (it could not start, or a command grader printed no
 summary): the dispatcher retries it, then marks the execution ``eval_failed``.
 """
@@ -26,12 +40,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from environments.problems import pytest_grader
+from environments.problems.grading_copy import grading_copy
 from environments.problems.problem import Check, Problem, tail, write_text
 from environments.sandbox import CommandResult, Sandbox, SandboxLimits, SandboxSetupError
 
@@ -101,17 +118,30 @@ def grade_workspace(
     if not source.is_dir():
         raise GraderError(f"problem {problem.problem_id}: workspace {source} is not a directory")
     with tempfile.TemporaryDirectory(prefix="gyre-grade-") as tmp:
-        copy = Path(tmp) / "workspace"
-        shutil.copytree(source, copy, symlinks=True)
+        # box/ is what a command sees: the copy, and beside it (never inside) the grader's own files
+        box = Path(tmp) / "box"
+        copy = box / "workspace"
+        notes = grading_copy(problem, source, copy)
+        for rel, text in problem.hidden_tests.items():
+            place_hidden_file(copy, rel, text)
+        limits = limits or grading_limits(timeout_s)
         try:
-            sandbox = Sandbox(copy, limits or grading_limits(timeout_s), hide_root=tmp)
             if problem.checks:
-                return _grade_checks(problem, sandbox, timeout_s)
-            return _grade_command(problem, sandbox, timeout_s)
+                result = _grade_checks(problem, Sandbox(copy, limits, hide_root=tmp), timeout_s)
+            else:
+                notes += neutralise(copy, problem.files) + unshadow_hidden_modules(copy, problem)
+                sandbox = Sandbox(box, limits, hide_root=tmp)
+                if problem.grader == "pytest":
+                    result = _grade_pytest(problem, sandbox, copy, timeout_s)
+                else:
+                    result = _grade_command(problem, sandbox, copy, timeout_s)
         except SandboxSetupError as exc:
             raise GraderError(
                 f"problem {problem.problem_id}: the grading sandbox could not start: {exc}"
             ) from None
+    if notes:
+        result.log = tail("[grading copy] " + "; ".join(notes) + "\n" + result.log)
+    return result
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -217,19 +247,88 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _grade_command(problem: Problem, sandbox: Sandbox, timeout_s: float) -> GradeResult:
-    copy = sandbox.workspace
-    neutralised = neutralise(copy, problem.files)
-    for rel, text in problem.hidden_tests.items():
-        place_hidden_file(copy, rel, text)
-    result = run_grade_command(problem.grade_command or "", sandbox, timeout_s)
-    log = tail(
-        ("[neutralised] " + ", ".join(neutralised) + "\n" if neutralised else "")
-        + result.stdout
-        + ("\n[stderr]\n" + result.stderr if result.stderr.strip() else "")
+def unshadow_hidden_modules(copy: Path, problem: Problem) -> list[str]:
+    """Removes workspace-root modules named like a hidden Python file (``test_calc.py`` beside a
+    hidden ``tests/test_calc.py``): on the module path they would be imported in its place."""
+    actions = []
+    hidden_dirs = {PurePosixPath(rel).parent.as_posix() for rel in problem.hidden_tests}
+    if "." in hidden_dirs:
+        return actions
+    for rel in problem.hidden_tests:
+        stem = PurePosixPath(rel).stem
+        if not rel.endswith(".py") or stem == "__init__":
+            continue
+        for shadow in (copy / f"{stem}.py", copy / stem):
+            if shadow.is_symlink() or shadow.is_file():
+                shadow.unlink()
+            elif shadow.is_dir():
+                shutil.rmtree(shadow)
+            else:
+                continue
+            actions.append(f"removed {shadow.name} (it shadows the hidden {rel})")
+    return actions
+
+
+def _grade_pytest(problem: Problem, sandbox: Sandbox, copy: Path, timeout_s: float) -> GradeResult:
+    """The built-in pytest grader (environments/problems/pytest_grader.py)."""
+    expected = _hidden_test_ids(problem)
+    nonce = secrets.token_hex(16)
+    report = sandbox.workspace / "gyre-pytest-report.jsonl"
+    runner = pytest_grader.runner_source(
+        nonce=nonce,
+        workspace=str(copy.resolve()),
+        report=str(report),
+        config=str(sandbox.workspace / "gyre-pytest.ini"),
+        modules=pytest_grader.hidden_test_modules(problem.hidden_tests),
     )
+    sandbox.env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    command = f"exec {_shell_quote(sys.executable)} -I -B -"
+    result = sandbox.run(command, timeout_s=timeout_s, stdin=runner)
+    started, outcomes, notes = pytest_grader.read_report(report, nonce)
+    output = result.stdout + ("\n[stderr]\n" + result.stderr if result.stderr.strip() else "")
+    if not started:  # nothing of the agent's runs before the start line: the grader is broken
+        raise GraderError(
+            f"problem {problem.problem_id}: the pytest runner never started "
+            f"(exit code {result.returncode}, limit {result.limit}):\n{tail(output)}"
+        )
+    if result.timed_out:
+        notes.append(f"timed out after {timeout_s:g} s: unreported tests fail")
+    passed, lines = pytest_grader.score(expected, outcomes)
+    log = tail("\n".join(notes + lines) + "\n" + output)
+    return GradeResult(reward=passed / len(expected), passed=passed, total=len(expected), log=log)
+
+
+def _hidden_test_ids(problem: Problem) -> list[str]:
+    try:
+        expected = pytest_grader.hidden_test_ids(problem.hidden_tests)
+    except SyntaxError as exc:
+        raise GraderError(
+            f"problem {problem.problem_id}: a hidden test module does not parse: {exc}"
+        ) from None
+    if not expected:
+        raise GraderError(f"problem {problem.problem_id}: the hidden test modules define no test")
+    return expected
+
+
+def _grade_command(problem: Problem, sandbox: Sandbox, copy: Path, timeout_s: float) -> GradeResult:
+    report = sandbox.workspace / "gyre-report"
+    sandbox.env["GYRE_REPORT"] = str(report)
+    command = f"cd {_shell_quote(str(copy))} || exit 97\n{problem.grade_command or ''}"
+    result = run_grade_command(command, sandbox, timeout_s)
+    log = tail(result.stdout + ("\n[stderr]\n" + result.stderr if result.stderr.strip() else ""))
+    if problem.grade_output == "junit":
+        expected = _hidden_test_ids(problem)
+        outcomes, notes = pytest_grader.junit_outcomes(report, expected)
+        if result.timed_out:
+            notes.append(f"timed out after {timeout_s:g} s: unreported tests fail")
+        passed, lines = pytest_grader.score(expected, outcomes)
+        log = tail("\n".join(notes + lines) + "\n" + log)
+        return GradeResult(reward=passed / len(expected), passed=passed, total=len(expected), log=log)
     if result.timed_out:
         raise GraderError(f"problem {problem.problem_id}: grader timed out after {timeout_s:g} s\n{log}")
+    if problem.grade_output == "exit_code":
+        passed = int(result.returncode == 0)
+        return GradeResult(reward=float(passed), passed=passed, total=1, log=log)
     try:
         passed, total = parse_grade_output(result.stdout)
     except GraderError as exc:
@@ -244,8 +343,11 @@ def run_grade_command(command: str, sandbox: Sandbox, timeout_s: float) -> Comma
     """Runs a grader (or visible test) command in the sandbox's workspace.
 
     ``python`` on PATH is the interpreter running gyrerl: where it is only called e.g. python3.11,
-    a link named ``python`` is made in ``.gyre_bin`` of the workspace (whatever stood there is
-    removed first), and PYTHONNOUSERSITE keeps user site-packages out.
+    a link named ``python`` is made in ``.gyre_bin`` of the sandbox's folder (whatever stood there
+    is removed first). PYTHONSAFEPATH keeps the working folder off the front of the module path
+    (``python -m pytest`` would run a ``pytest.py`` found there), PYTHONNOUSERSITE keeps user
+    site-packages out and PYTEST_DISABLE_PLUGIN_AUTOLOAD stops pytest loading every installed
+    ``pytest11`` entry point (a ``*.dist-info`` folder on the module path declares one).
     """
     if not (Path(sys.executable).parent / "python").exists():
         shim = sandbox.workspace / ".gyre_bin"
@@ -257,6 +359,8 @@ def run_grade_command(command: str, sandbox: Sandbox, timeout_s: float) -> Comma
         sandbox.env["PATH"] = f"{shim}{os.pathsep}{sandbox.env['PATH']}"
     sandbox.env["PYTHONIOENCODING"] = "utf-8"
     sandbox.env["PYTHONNOUSERSITE"] = "1"
+    sandbox.env["PYTHONSAFEPATH"] = "1"
+    sandbox.env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return sandbox.run(command, timeout_s=timeout_s)
 
 

@@ -1,8 +1,8 @@
 """What a problem is: the instruction an agent reads, the workspace it starts in, and its grader.
 
 A problem carries two kinds of secret that no execution may ever see: its grader (``checks`` for
-the generated suites, ``hidden_tests`` + ``grade_command`` for user folders) and its reference
-``solution``. Harnesses get ``Problem.public()``, which holds neither; environments/problems/
+the generated suites and folder checks.py files, ``hidden_tests`` run by the built-in pytest grader
+or by a ``grade_command`` for user folders) and its reference ``solution``. Harnesses get ``Problem.public()``, which holds neither; environments/problems/
 grading.py is the only reader of the grader.
 
     problem = generate("terminal", 1, seed=7)[0]
@@ -22,6 +22,8 @@ from typing import Any, ClassVar, Self
 from environments.tools import TOOL_NAMES
 
 LOG_TAIL_CHARS = 4000
+GRADE_OUTPUTS = ("json", "exit_code", "junit")
+"""How a grade command reports (Problem.grade_output)."""
 
 
 @dataclass
@@ -76,16 +78,28 @@ class Problem(JsonFields):
     files: dict[str, str]
     """workspace template: relative POSIX path -> text"""
     checks: list[Check] = field(default_factory=list)
-    """the grader of generated problems (see Check); empty for command-graded problems"""
+    """the grader of generated problems and folder checks.py files (see Check); else empty"""
     hidden_tests: dict[str, str] = field(default_factory=dict)
-    """command graders only: files added to the grading copy of the workspace"""
+    """files written over the grading copy of the workspace (the hidden tests)"""
     grade_command: str | None = None
-    """command graders only: bash script run in the grading copy; its last stdout line is
-    ``{"passed": k, "total": n}``"""
+    """command graders only: bash script run in the grading copy; it reports as ``grade_output`` says"""
+    grade_output: str = "json"
+    """command graders only: ``json`` (last stdout line ``{"passed": k, "total": n}``), ``exit_code``
+    (0 is reward 1, anything else 0) or ``junit`` (JUnit XML in ``$GYRE_REPORT``, counted per hidden
+    test as the built-in pytest grader counts)"""
+    grader: str | None = None
+    """``"pytest"``: gyre's built-in pytest grader runs the hidden test modules (no checks, no
+    grade_command); None: the grader is ``checks`` or ``grade_command``, whichever is given"""
+    editable: list[str] | None = None
+    """glob patterns (fnmatch, ``*`` crosses ``/``) of the paths the agent may change: only these are
+    taken into the grading copy, every other template file is graded in its template version. None:
+    everything except the hidden test paths, dot-files and dot-folders, packaging metadata
+    (``*.dist-info``, ``*.egg-info``, ``*.pth``) and byte code (grading_copy.py)"""
     visible_test_command: str | None = None
     """what the harness's run_tests tool runs in the agent's workspace (None: no visible tests)"""
     solution: list[dict[str, Any]] = field(default_factory=list)
-    """reference tool actions that solve the problem fully; empty for folder problems"""
+    """reference tool actions that solve the problem fully (a folder's solution/ and solution.sh);
+    empty when a folder gives none"""
     difficulty: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
     """free-form, JSON-able facts about the problem (length knob, item count, source folder)"""
@@ -97,11 +111,28 @@ class Problem(JsonFields):
 
     def __post_init__(self) -> None:
         self.checks = [c if isinstance(c, Check) else Check(**c) for c in self.checks]
-        if bool(self.checks) == bool(self.grade_command):
+        if self.grader not in (None, "pytest"):
             raise ValueError(
-                f"problem {self.problem_id}: give exactly one grader, checks or grade_command "
-                f"(got {len(self.checks)} checks and grade_command={self.grade_command!r})"
+                f'problem {self.problem_id}: grader must be "pytest" or None, got {self.grader!r}'
             )
+        given = [bool(self.checks), bool(self.grade_command), self.grader == "pytest"]
+        if sum(given) != 1:
+            raise ValueError(
+                f"problem {self.problem_id}: give exactly one grader, checks, grade_command or "
+                f'grader="pytest" (got {len(self.checks)} checks, grade_command={self.grade_command!r}, '
+                f"grader={self.grader!r})"
+            )
+        if self.grade_output not in GRADE_OUTPUTS:
+            raise ValueError(
+                f"problem {self.problem_id}: grade_output must be one of {list(GRADE_OUTPUTS)}, "
+                f"got {self.grade_output!r}"
+            )
+        if self.grader == "pytest" and not self.hidden_tests:
+            raise ValueError(f'problem {self.problem_id}: grader="pytest" needs hidden test files')
+        if self.editable is not None and not (
+            isinstance(self.editable, list) and all(isinstance(p, str) and p for p in self.editable)
+        ):
+            raise ValueError(f"problem {self.problem_id}: editable must be a list of glob patterns")
         for path in [*self.files, *self.hidden_tests]:
             check_relative_path(path, what=f"problem {self.problem_id}")
         for step in self.solution:

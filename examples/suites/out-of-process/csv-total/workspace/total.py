@@ -1,0 +1,4 @@
+import sys
+
+print("not implemented", file=sys.stderr)
+sys.exit(1)
