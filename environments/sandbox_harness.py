@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -64,19 +65,37 @@ def relayed_url(sandbox: Sandbox, url: str) -> str:
 
 def harness_files(argv: list[str], env: dict[str, str], extra: Sequence[str] = ()) -> list[str]:
     """What of its own installation a harness sees read-only: its program (found on ``env``'s PATH),
-    the interpreter a script's ``#!`` names, the virtualenvs they belong to with their base Python,
-    every existing file a word of ``argv`` names, and the folders ``extra`` (DispatchConfig.harness_paths)."""
-    found: set[str] = set()
+    every existing file a word of ``argv`` names (or a word of a ``bash -c`` script), the interpreter
+    each of them names in its ``#!`` line, the virtualenvs all these live in with their base Python,
+    and the folders ``extra`` (DispatchConfig.harness_paths)."""
     program = shutil.which(argv[0], path=env.get("PATH")) if argv else None
-    for path in [program, _shebang(program), *argv[1:]]:
-        if path and os.path.isabs(path) and os.path.isfile(path):
-            found |= {os.path.abspath(path), os.path.realpath(path)}
-            found |= _venv(path)
+    files = [
+        path for path in [program, *_words(argv[1:])] if path and os.path.isabs(path) and os.path.isfile(path)
+    ]
+    files += [
+        interpreter for path in files if (interpreter := _shebang(path)) and os.path.isfile(interpreter)
+    ]
+    found: set[str] = set()
+    for path in files:
+        found |= {os.path.abspath(path), os.path.realpath(path), *_venv(path)}
     for folder in extra:
         if not os.path.exists(folder):
             raise FileNotFoundError(f"harness_paths names {folder!r}, which does not exist")
         found |= {os.path.abspath(folder), os.path.realpath(folder)}
     return sorted(found)
+
+
+def _words(argv: list[str]) -> list[str]:
+    """The words of ``argv``, and the words of those that are shell scripts (``bash -c '...'``)."""
+    words = []
+    for word in argv:
+        words.append(word)
+        if any(space in word for space in " \t\n"):
+            try:
+                words += shlex.split(word)
+            except ValueError:  # unbalanced quotes: its plain words will do
+                words += word.split()
+    return words
 
 
 def _shebang(program: str | None) -> str | None:

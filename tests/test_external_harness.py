@@ -7,9 +7,12 @@ and their own installation; kept workspaces leave no quota mount behind. Real sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from environments.sandbox_host import own_checkout, own_packages
 from tests.scripted_engine import scripted_stack
 from tests.test_gateway_fixtures import ADMIN_TOKEN
 from tests.test_harness import two_file_problem
+from trajectory_store.storage import Store
 
 pytestmark = pytest.mark.slow
 ISOLATION = probe_isolation()
@@ -173,3 +177,79 @@ def test_kept_workspaces_keep_their_files_and_release_their_quota_mounts(tmp_pat
         assert sorted(p.name for p in workspace.iterdir()) == ["README.md", "a.txt", "reply.txt"]
         assert (workspace / "reply.txt").read_text() == "kept"
     assert quota_mounts(tmp_path / "ws") == []
+
+
+# A harness installed in a virtualenv of its own (as pip installs one: a script whose #! names the
+# venv's python, a module in its site-packages), called with plain urllib.
+VENV_MODULE = r"""
+import json, urllib.request
+
+def ask(base_url, api_key, instruction):
+    body = {"model": "any", "messages": [{"role": "user", "content": instruction}], "max_tokens": 16}
+    request = urllib.request.Request(
+        base_url + "/chat/completions", json.dumps(body).encode(),
+        {"Authorization": "Bearer " + api_key, "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["choices"][0]["message"]["content"]
+"""
+
+
+def venv_agent(tmp_path: Path) -> Path:
+    venv = tmp_path / "agent-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    [site] = venv.glob("lib/python*/site-packages")
+    (site / "venv_agent.py").write_text(VENV_MODULE)
+    script = venv / "bin" / "agent"
+    script.write_text(
+        f"#!{venv}/bin/python\nimport sys, venv_agent\n"
+        "print(venv_agent.ask(*sys.argv[1:4]), file=open('a.txt', 'w'))\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+@needs_isolation
+def test_a_problem_names_its_own_harness_and_grade_timeout(tmp_path):
+    """problem.harness (here a ``bash -c`` script running a harness from its own virtualenv) is run
+    instead of the dispatcher's built-in harness, and recorded by its program; problem.grade_timeout_s
+    bounds its grading (a check out of time fails)."""
+    script = f'cd {{workspace}} && AGENT_MODE=1 {venv_agent(tmp_path)} {{base_url}} {{api_key}} "$(cat {{instruction_file}})"'
+    own = Problem(**{**two_file_problem("own-harness").to_json(), "harness": ["bash", "-c", script]})
+    hurried = Problem(**{**own.to_json(), "problem_id": "hurried", "grade_timeout_s": 0.001})
+    with scripted_stack(str(tmp_path / "store"), lambda text: "alpha") as stack:
+        outcomes = run(stack, [own, hurried], tmp_path)
+        rows = {r["execution_id"]: r for r in Store(stack.store_config).read_table("executions").to_pylist()}
+    by_problem = {o.problem_id: o for o in outcomes}
+    assert (by_problem["own-harness"].status, by_problem["own-harness"].reward) == ("completed", 0.5)
+    assert by_problem["own-harness"].calls == 1 and by_problem["own-harness"].turn_budget is None
+    # the same workspace, graded within 1 ms: each check times out, a failed check
+    assert (by_problem["hurried"].status, by_problem["hurried"].reward) == ("completed", 0.0)
+    assert {rows[o.execution_id]["harness"] for o in outcomes} == {"agent"}
+
+
+@needs_isolation
+def test_a_harness_past_its_deadline_ends_with_everything_it_started(tmp_path):
+    marker = f"gyre-test-{uuid.uuid4().hex[:8]}"
+    hang = f"bash -c 'sleep 300; : {marker}'"  # its cmdline names the marker while it sleeps
+    script = f"echo alpha > {{workspace}}/a.txt; setsid {hang} & ({hang} &); {hang}"
+    with scripted_stack(str(tmp_path), lambda text: "unused") as stack:
+        [outcome] = run(
+            stack,
+            [two_file_problem("hangs")],
+            tmp_path,
+            timeout_s=3.0,
+            harness_command=["bash", "-c", script],
+        )
+    assert (outcome.status, outcome.reward, outcome.reward_source) == ("timeout", 0.5, "workspace_snapshot")
+    assert processes_named(marker) == []
+    assert quota_mounts(tmp_path / "ws") == []
+
+
+def processes_named(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+    return found
