@@ -5,10 +5,12 @@
 
 ``run`` registers the member's next attempt (ledger.py picks its id; an attempt the gateway holds for
 a dead dispatcher is abandoned there and the next taken), makes its sandboxed workspace, starts the
-harness (the built-in one through a zygote, or an external command), waits for it until the deadline,
-then grades the final workspace, or the workspace snapshot of a timed-out execution, with retries, and
-finishes the execution at the gateway. One execution's failure is recorded in its outcome, never
-raised: environments/dispatch.py runs many runners' executions at once.
+harness (the built-in one through a zygote; an external command, the problem's own or the config's,
+inside the execution's sandbox: environments/sandbox_harness.py), waits for it until the deadline,
+then grades the final workspace, or the workspace snapshot of a timed-out execution, with retries
+(within the problem's grade timeout, else the config's), and finishes the execution at the gateway.
+A kept workspace (keep_workspaces) leaves its quota mount as a plain folder. One execution's failure
+is recorded in its outcome, never raised: environments/dispatch.py runs many runners' executions at once.
 """
 
 from __future__ import annotations
@@ -229,15 +231,17 @@ class ExecutionRunner:
         try:
             await self._run_harness(problem, execution_id, registration, sandbox, side, outcome)
         finally:
-            try:
-                if config.keep_workspaces:  # its files stay, in a plain folder: no mount outlives it
-                    sandbox.release_keeping_files()
-                else:
-                    sandbox.release()
-                    shutil.rmtree(sandbox.workspace, ignore_errors=True)
-                    shutil.rmtree(side, ignore_errors=True)
-            finally:
+            if not config.keep_workspaces:
+                sandbox.release()
+                shutil.rmtree(sandbox.workspace, ignore_errors=True)
+                shutil.rmtree(side, ignore_errors=True)
                 self.sandboxes.discard(sandbox)
+            else:  # its files stay, in a plain folder: no quota mount outlives the execution
+                try:
+                    sandbox.release_keeping_files()
+                    self.sandboxes.discard(sandbox)
+                except OSError:  # its mount is released by close(), files and all
+                    log.exception("execution %s: its workspace could not be kept", execution_id)
 
     async def _run_harness(self, problem, execution_id, registration, sandbox, side, outcome) -> None:
         config = self.config
