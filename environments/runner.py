@@ -238,7 +238,7 @@ class ExecutionRunner:
                 self.sandboxes.discard(sandbox)
             else:  # its files stay, in a plain folder: no quota mount outlives the execution
                 try:
-                    sandbox.release_keeping_files()
+                    await asyncio.to_thread(sandbox.release_keeping_files)  # a copy: off the loop
                     self.sandboxes.discard(sandbox)
                 except OSError:  # its mount is released by close(), files and all
                     log.exception("execution %s: its workspace could not be kept", execution_id)

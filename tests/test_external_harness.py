@@ -20,7 +20,7 @@ import pytest
 from environments.dispatch import dispatch
 from environments.dispatch_config import DispatchConfig
 from environments.problems import Problem
-from environments.sandbox import probe_isolation
+from environments.sandbox import Sandbox, SandboxLimits, probe_isolation
 from environments.sandbox_host import own_checkout, own_packages
 from tests.scripted_engine import scripted_stack
 from tests.test_gateway_fixtures import ADMIN_TOKEN
@@ -253,3 +253,10 @@ def processes_named(marker: str) -> list[int]:
             if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
                 found.append(int(entry.name))
     return found
+
+
+def test_a_workspace_whose_template_overflows_its_quota_leaves_no_mount(tmp_path):
+    limits = SandboxLimits(disk_bytes=1 << 20, disk_files=100)
+    with pytest.raises(OSError):
+        Sandbox.create(tmp_path / "ws", "full", {"big.bin": "x" * (2 << 20)}, limits)
+    assert quota_mounts(tmp_path / "ws") == []
