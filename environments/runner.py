@@ -257,14 +257,7 @@ class ExecutionRunner:
         log_path = side / "harness.log"
         harness = None
         if confined:
-            env["HOME"] = "/tmp"  # its private tmpfs: gone with the harness
-            visible = [*harness_files(argv, env, config.harness_paths), str(side)]
-            limits = replace(
-                config.harness.limits, cpu_s=max(config.harness.limits.cpu_s, math.ceil(config.timeout_s))
-            )
-            harness = await ConfinedHarness.start(
-                sandbox, argv, env, log_path, registration["base_url"], limits, visible
-            )
+            harness = await self._confine(argv, env, sandbox, side, registration["base_url"], log_path)
             pid, waited = harness.pid, harness.wait
         elif command is None and config.harness_zygote:
             pid = await self._zygote().spawn(argv[3:], env, str(log_path))  # argv[3:]: after -m module
@@ -309,6 +302,17 @@ class ExecutionRunner:
                 await self._snapshot_final(problem, execution_id, sandbox.workspace, outcome)
         if outcome.status == "eval_failed":
             outcome.log_uri = self._keep_log(execution_id, log_path)
+
+    async def _confine(self, argv, env, sandbox: Sandbox, side: Path, gateway_url: str, log_path: Path):
+        """Starts an external harness inside the execution's sandbox: its own folder (``side``) and
+        installation visible read-only, HOME on its private /tmp, the sandbox limits with the
+        execution's deadline as CPU limit, the gateway reached through a relay."""
+        config = self.config
+        env["HOME"] = "/tmp"  # its private tmpfs: gone with the harness
+        visible = [*harness_files(argv, env, config.harness_paths), str(side)]
+        cpu_s = max(config.harness.limits.cpu_s, math.ceil(config.timeout_s))
+        limits = replace(config.harness.limits, cpu_s=cpu_s)
+        return await ConfinedHarness.start(sandbox, argv, env, log_path, gateway_url, limits, visible)
 
     def _command(
         self, command, execution_id, base_url: str, registration, workspace: Path, side: Path, outcome

@@ -170,6 +170,8 @@ class ConfinedHarness:
                 )
         except BaseException:
             close_cgroup(cgroup)
+            if ours is not None:
+                ours.close()
             raise
         finally:
             if theirs is not None:
