@@ -38,6 +38,9 @@ launcher, an init as PID 1 of the new namespace, then the command), which the pa
 comes from the exit (SIGXCPU: "cpu", SIGXFSZ or EFBIG: "file_size"), the cgroup's refused forks
 ("processes") and the error text of a failed allocation ("memory": MemoryError, ENOMEM, bad_alloc).
 The launcher costs about one Python start per command (0.1-0.3 s on a busy 2-core machine).
+An external harness process starts through the same launcher (``Sandbox.spec``), with the gateway as
+its only reachable address: environments/sandbox_harness.py. ``release_keeping_files`` turns a quota
+workspace kept for inspection into a plain folder.
 """
 
 from __future__ import annotations
