@@ -8,10 +8,13 @@ For every (problem, group member) the dispatcher
    (nothing in a path names the problem or the execution) and a disk quota; the harness gets the
    problem's public part only (instruction, visible test command), in a side folder outside that root;
 3. starts the harness as a subprocess in its own process group: the built-in one
-   (``python -m environments.harness``) or any external command given as a template (``{base_url}``,
-   ``{api_key}``, ``{workspace}``, ``{instruction_file}``; OPENAI_BASE_URL / OPENAI_API_KEY are set too);
-   its group is recorded next to the harness folder's owner file, so when a dispatcher is SIGKILLed
-   the next one kills its harnesses (sweep_dead_dispatchers);
+   (``python -m environments.harness``, its tool commands sandboxed one by one) or any external
+   command given as a template (``{base_url}``, ``{api_key}``, ``{workspace}``, ``{instruction_file}``;
+   OPENAI_BASE_URL / OPENAI_API_KEY are set too; a problem may name its own), started inside the
+   execution's sandbox with the gateway as its only reachable address (environments/sandbox_harness.py;
+   ``harness_sandbox = false`` runs it on the host); its group is recorded next to the harness
+   folder's owner file, so when a dispatcher is SIGKILLed the next one kills its harnesses
+   (sweep_dead_dispatchers);
 4. at the deadline kills the whole group; the execution is ``timeout``, its workspace is snapshotted
    into the store as Parquet rows (``snapshots/`` + content-addressed ``blobs/``, next to the
    problem's starting workspace; environments/snapshot_rows.py) and graded from what was stored,

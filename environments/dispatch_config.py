@@ -51,6 +51,16 @@ class DispatchConfig:
     harness_command: list[str] | None = None
     """An external harness: argv template with {base_url} {api_key} {workspace} {instruction_file};
     None runs the built-in harness."""
+    harness_sandbox: bool = True
+    """Start an external harness inside its execution's sandbox (environments/sandbox_harness.py): it
+    and every command it runs see their workspace read-write, the system read-only and their own
+    installation, under the limits of ``harness.limits`` (CPU: the deadline), and reach the gateway
+    alone, through a relay on their own loopback. False: the harness runs on the host as the dispatcher's
+    user, able to read the checkout (the problem generators and graders), the store and other
+    workspaces, and to reach every loopback service: only for a harness you trust not to look."""
+    harness_paths: list[str] = field(default_factory=list)
+    """Folders a sandboxed external harness sees read-only besides its program, its script, the
+    virtualenv they live in and the Python gyre runs on (e.g. a node installation, a config folder)."""
     harness_name: str | None = None
     """Recorded in executions.harness (default: 'builtin' or the command's program name)."""
     workspace_root: str | None = None

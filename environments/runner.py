@@ -5,10 +5,12 @@
 
 ``run`` registers the member's next attempt (ledger.py picks its id; an attempt the gateway holds for
 a dead dispatcher is abandoned there and the next taken), makes its sandboxed workspace, starts the
-harness (the built-in one through a zygote, or an external command), waits for it until the deadline,
-then grades the final workspace, or the workspace snapshot of a timed-out execution, with retries, and
-finishes the execution at the gateway. One execution's failure is recorded in its outcome, never
-raised: environments/dispatch.py runs many runners' executions at once.
+harness (the built-in one through a zygote; an external command, the problem's own or the config's,
+inside the execution's sandbox: environments/sandbox_harness.py), waits for it until the deadline,
+then grades the final workspace, or the workspace snapshot of a timed-out execution, with retries
+(within the problem's grade timeout, else the config's), and finishes the execution at the gateway.
+A kept workspace (keep_workspaces) leaves its quota mount as a plain folder. One execution's failure
+is recorded in its outcome, never raised: environments/dispatch.py runs many runners' executions at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -35,6 +38,7 @@ from environments.gateway_admin import EXECUTIONS, GatewayAdmin, GatewayAdminErr
 from environments.ledger import StepLedger, execution_id_for, group_id_for
 from environments.problems import GraderError, GradeResult, Problem, grade_workspace
 from environments.sandbox import Sandbox
+from environments.sandbox_harness import ConfinedHarness, harness_files, relayed_url
 from environments.snapshot import UnsafeArchive
 from environments.snapshot_rows import sandbox_from_stored, store_workspace
 from environments.sweep import forget_harness, own, record_harness
@@ -103,12 +107,12 @@ class ExecutionRunner:
         self.store, self.config, self.root, self.ledger = store, config, Path(root), ledger
         self.token = secrets.token_hex(16)  # this dispatcher's attempts (RegisterExecution.attempt)
         self.snapshots = SnapshotStore(store)  # one blob index for the whole batch: a group shares files
-        self.harness_name = config.harness_name or harness_name(config.harness_command)
         # harness inputs and outputs live apart from the workspaces, where no command can see them
         self.side_root = Path(tempfile.mkdtemp(prefix="gyre-harness-"))
         own(self.side_root)
         self.zygote = zygote  # the built-in harness's warm launcher, started when first used
         self.own_zygote = zygote is None
+        self.sandboxes: set[Sandbox] = set()  # live ones, with their quota mounts: released by close
 
     def _zygote(self) -> Zygote:
         if self.zygote is None:
@@ -116,8 +120,22 @@ class ExecutionRunner:
         return self.zygote
 
     async def close(self) -> None:
+        """Stops the zygote this runner started and releases every quota mount it still holds."""
+        for sandbox in list(self.sandboxes):
+            sandbox.release()
+            self.sandboxes.discard(sandbox)
         if self.zygote is not None and self.own_zygote:
             await self.zygote.close()
+
+    def command_of(self, problem: Problem) -> list[str] | None:
+        """The external harness command of ``problem``: its suite's own, else the config's (None: builtin)."""
+        return problem.harness if problem.harness is not None else self.config.harness_command
+
+    def harness_name_of(self, problem: Problem) -> str:
+        """What executions.harness records for ``problem``: config.harness_name names the config's harness."""
+        if problem.harness is not None:
+            return harness_name(problem.harness)
+        return self.config.harness_name or harness_name(self.config.harness_command)
 
     async def run(self, admin: GatewayAdmin, problem: Problem, member: int) -> ExecutionOutcome:
         config = self.config
@@ -184,7 +202,7 @@ class ExecutionRunner:
             problem_id=problem.problem_id,
             group_id=group_id,
             step=self.config.step,
-            harness=self.harness_name,
+            harness=self.harness_name_of(problem),
             campaign=self.config.campaign,
             attempt=self.token,
         )
@@ -209,6 +227,7 @@ class ExecutionRunner:
             config.harness.limits, disk_bytes=config.workspace_disk_bytes, disk_files=config.workspace_files
         )
         sandbox = Sandbox.create(self.root, name, problem.files, limits)
+        self.sandboxes.add(sandbox)
         try:
             await self._run_harness(problem, execution_id, registration, sandbox, side, outcome)
         finally:
@@ -216,15 +235,31 @@ class ExecutionRunner:
                 sandbox.release()
                 shutil.rmtree(sandbox.workspace, ignore_errors=True)
                 shutil.rmtree(side, ignore_errors=True)
+                self.sandboxes.discard(sandbox)
+            else:  # its files stay, in a plain folder: no quota mount outlives the execution
+                try:
+                    await asyncio.to_thread(sandbox.release_keeping_files)  # a copy: off the loop
+                    self.sandboxes.discard(sandbox)
+                except OSError:  # its mount is released by close(), files and all
+                    log.exception("execution %s: its workspace could not be kept", execution_id)
 
     async def _run_harness(self, problem, execution_id, registration, sandbox, side, outcome) -> None:
         config = self.config
         (side / "problem.json").write_text(json.dumps(problem.public().to_json()))
         (side / "instruction.md").write_text(problem.instruction)
         result_path = side / "result.json"
-        argv, env = self._command(execution_id, registration, sandbox.workspace, side, outcome)
+        command = self.command_of(problem)
+        confined = command is not None and config.harness_sandbox
+        base_url = relayed_url(sandbox, registration["base_url"]) if confined else registration["base_url"]
+        argv, env = self._command(
+            command, execution_id, base_url, registration, sandbox.workspace, side, outcome
+        )
         log_path = side / "harness.log"
-        if config.harness_command is None and config.harness_zygote:
+        harness = None
+        if confined:
+            harness = await self._confine(argv, env, sandbox, side, registration["base_url"], log_path)
+            pid, waited = harness.pid, harness.wait
+        elif command is None and config.harness_zygote:
             pid = await self._zygote().spawn(argv[3:], env, str(log_path))  # argv[3:]: after -m module
 
             def waited() -> Awaitable[int]:
@@ -247,6 +282,8 @@ class ExecutionRunner:
             _kill_group(pid)  # orphaned with its zygote: it must not go on calling the gateway
             raise
         finally:
+            if harness is not None:
+                await harness.close()
             forget_harness(self.side_root, pid)
         _read_progress(result_path, outcome)
         if timed_out:
@@ -255,6 +292,8 @@ class ExecutionRunner:
         elif returncode != 0:
             outcome.status, outcome.reward, outcome.reward_source = "error", 0.0, "placeholder"
             outcome.error = f"the harness exited with code {returncode}"
+            if harness is not None and (setup := harness.setup_error()):
+                outcome.error = f"the sandbox could not start the harness: {setup}"
             outcome.log_uri = self._keep_log(execution_id, log_path)
         else:
             outcome.status = "completed"
@@ -264,16 +303,31 @@ class ExecutionRunner:
         if outcome.status == "eval_failed":
             outcome.log_uri = self._keep_log(execution_id, log_path)
 
-    def _command(self, execution_id, registration, workspace: Path, side: Path, outcome):
+    async def _confine(self, argv, env, sandbox: Sandbox, side: Path, gateway_url: str, log_path: Path):
+        """Starts an external harness inside the execution's sandbox: its own folder (``side``) and
+        installation visible read-only, HOME on its private /tmp, the sandbox limits with the
+        execution's deadline as CPU limit, the gateway reached through a relay."""
+        config = self.config
+        env["HOME"] = "/tmp"  # its private tmpfs: gone with the harness
+        visible = [*harness_files(argv, env, config.harness_paths), str(side)]
+        cpu_s = max(config.harness.limits.cpu_s, math.ceil(config.timeout_s))
+        limits = replace(config.harness.limits, cpu_s=cpu_s)
+        return await ConfinedHarness.start(sandbox, argv, env, log_path, gateway_url, limits, visible)
+
+    def _command(
+        self, command, execution_id, base_url: str, registration, workspace: Path, side: Path, outcome
+    ):
+        """argv and environment of the harness: the built-in one (``command`` None) or ``command``
+        with its placeholders filled; ``base_url`` is the gateway's, or its relay for a confined one."""
         config = self.config
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": str(side),
             "LANG": "C.UTF-8",
-            "OPENAI_BASE_URL": registration["base_url"],
+            "OPENAI_BASE_URL": base_url,
             "OPENAI_API_KEY": registration["api_key"],
         }
-        if config.harness_command is None:
+        if command is None:
             env.update(builtin_harness_env())  # gyre's path for ours only: an external harness keeps
             # its own environment (gyre's path would shadow a harness in another venv)
             harness = config.harness
@@ -292,12 +346,12 @@ class ExecutionRunner:
             ]  # fmt: skip
             return argv, env
         values = {
-            "base_url": registration["base_url"],
+            "base_url": base_url,
             "api_key": registration["api_key"],
             "workspace": str(workspace),
             "instruction_file": str(side / "instruction.md"),
         }
-        return [part.format(**values) for part in config.harness_command], env
+        return [part.format(**values) for part in command], env
 
     async def _store_snapshot(self, problem, execution_id, workspace: Path, source: str) -> str:
         """The workspace as snapshot rows (with the problem's starting files as its template)."""
@@ -342,10 +396,13 @@ class ExecutionRunner:
 
     async def _grade(self, problem: Problem, workspace: Path, outcome, source: str) -> None:
         errors = []
+        timeout_s = (
+            problem.grade_timeout_s if problem.grade_timeout_s is not None else self.config.grade_timeout_s
+        )
         for _ in range(self.config.grader_retries + 1):
             try:
                 result: GradeResult = await asyncio.to_thread(
-                    grade_workspace, problem, workspace, timeout_s=self.config.grade_timeout_s
+                    grade_workspace, problem, workspace, timeout_s=timeout_s
                 )
             except GraderError as exc:
                 errors.append(str(exc))

@@ -38,6 +38,9 @@ launcher, an init as PID 1 of the new namespace, then the command), which the pa
 comes from the exit (SIGXCPU: "cpu", SIGXFSZ or EFBIG: "file_size"), the cgroup's refused forks
 ("processes") and the error text of a failed allocation ("memory": MemoryError, ENOMEM, bad_alloc).
 The launcher costs about one Python start per command (0.1-0.3 s on a busy 2-core machine).
+An external harness process starts through the same launcher (``Sandbox.spec``), with the gateway as
+its only reachable address: environments/sandbox_harness.py. ``release_keeping_files`` turns a quota
+workspace kept for inspection into a plain folder.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -229,20 +232,42 @@ class Sandbox:
             if limits and limits.disk_bytes
             else False
         )
-        if isinstance(template, str | Path):
-            shutil.copytree(template, workspace, symlinks=True, dirs_exist_ok=True)
-        sandbox = cls(workspace, limits, hide_root=root)
-        sandbox.disk_quota_enforced = quota
-        if isinstance(template, Mapping):
-            for rel, content in template.items():
-                sandbox._write(rel, content.encode() if isinstance(content, str) else content)
+        try:
+            if isinstance(template, str | Path):
+                shutil.copytree(template, workspace, symlinks=True, dirs_exist_ok=True)
+            sandbox = cls(workspace, limits, hide_root=root)
+            sandbox.disk_quota_enforced = quota
+            if isinstance(template, Mapping):
+                for rel, content in template.items():
+                    sandbox._write(rel, content.encode() if isinstance(content, str) else content)
+        except BaseException:  # a template over the quota: no mount may outlive the failed create
+            if quota:
+                unmount(workspace)
+            raise
         return sandbox
+
+    @property
+    def pids_cgroup(self) -> str | None:
+        """The folder under which this sandbox's commands get their pids cgroups (None: none here)."""
+        return self._isolation.pids_cgroup
 
     def release(self) -> None:
         """Unmounts the workspace's quota tmpfs (its files are gone after this); a no-op without one."""
         if self.disk_quota_enforced:
             unmount(self.workspace)
             self.disk_quota_enforced = False
+
+    def release_keeping_files(self) -> None:
+        """Unmounts the workspace's quota tmpfs and leaves its files at the same path, in a plain
+        folder (copied aside under the root, then moved back): a workspace kept for inspection holds
+        no mount (nor memory) once its execution ended. A no-op without a quota."""
+        if not self.disk_quota_enforced:
+            return
+        aside = self.workspace.with_name(f".{self.workspace.name}.kept")
+        shutil.copytree(self.workspace, aside, symlinks=True)
+        self.release()
+        self.workspace.rmdir()
+        aside.rename(self.workspace)
 
     def disk_used(self) -> tuple[int, int]:
         """(bytes, files) the workspace holds now (the quota's measure)."""
@@ -373,21 +398,33 @@ class Sandbox:
             timeout = min(timeout, remaining)
         if timeout <= 0:
             return None
-        spec = {
+        spec = self.spec([shutil.which("bash") or "/bin/bash", "-c", command], self.env)
+        data = stdin.encode() if stdin is not None else None
+        output, cgroups = self.limits.output_bytes, self._isolation.pids_cgroup
+        return Launch(spec, self.workspace, data, timeout, output, cgroups, self.limits.processes)
+
+    def spec(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        limits: SandboxLimits | None = None,
+        visible: Sequence[str] = (),
+    ) -> dict:
+        """The launcher's spec for ``argv`` (an absolute program) in this workspace: the isolation
+        this machine grants, ``limits`` (default: the sandbox's), and ``visible`` (folders or files
+        the command sees read-only besides the interpreter's) ."""
+        return {
             "workspace": str(self.workspace),
             "hide_root": self._hide_root,
             "network": self.network_isolated,
             "filesystem": self.filesystem_isolated,
-            "limits": asdict(self.limits),
-            "argv": [shutil.which("bash") or "/bin/bash", "-c", command],
-            "env": self.env,
-            "keep": self.visible_paths,
+            "limits": asdict(limits or self.limits),
+            "argv": argv,
+            "env": env,
+            "keep": sorted({*self.visible_paths, *visible}),
             "checkout": own_checkout(),
             "packages": own_packages(),
         }
-        data = stdin.encode() if stdin is not None else None
-        output, cgroups = self.limits.output_bytes, self._isolation.pids_cgroup
-        return Launch(spec, self.workspace, data, timeout, output, cgroups, self.limits.processes)
 
     def _result(self, ended: Exit) -> CommandResult:
         stderr = ended.stderr.text()

@@ -12,7 +12,9 @@ that failed.
 
 The spec (environments/sandbox.py builds it): workspace, hide_root, network, filesystem (which
 namespaces to make), cgroup (its folder or null), limits (SandboxLimits as a dict), argv, env, keep
-(interpreter folders to mount back read-only), checkout and packages (our source, covered).
+(interpreter folders, or a confined harness's files, to mount back read-only), checkout and packages
+(our source, covered), and optionally listen ({"port", "fd"}: a loopback listener of the new network
+namespace to hand the parent, see _hand_out_listener).
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def launch(spec: dict) -> None:
         libc.check(libc.lib.unshare(flags), "unshare")
     if spec["network"]:
         _loopback_up()
+        if spec.get("listen"):
+            _hand_out_listener(spec["listen"])
     if spec["filesystem"]:
         _build_mounts(libc, spec)
     status_read, status_write = os.pipe()
@@ -158,6 +162,21 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, siocsifflags, struct.pack("16sH22x", b"lo", current | iff_up))
 
 
+def _hand_out_listener(listen: dict) -> None:
+    """A TCP socket listening on 127.0.0.1:<port> of the new network namespace, handed to the parent
+    over the Unix socket ``listen["fd"]`` (SCM_RIGHTS): the parent accepts on it from the host's
+    namespace and relays each connection to the gateway, the one address a confined harness reaches."""
+    import socket
+
+    report = socket.socket(fileno=listen["fd"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", listen["port"]))
+        listener.listen(128)
+        socket.send_fds(report, [b"L"], [listener.fileno()])
+    report.close()  # the command must not inherit it
+
+
 def _under(path: str, folders: list[str]) -> bool:
     return any(path == folder or path.startswith(folder.rstrip("/") + "/") for folder in folders)
 
@@ -199,8 +218,10 @@ def _build_mounts(libc: Libc, spec: dict) -> None:
     checkout = [p for p in spec.get("checkout", []) if p != "/"]
     covered = ["/tmp", "/run", "/dev", *top, *checkout, *([hide_root] if hide_root else [])]
     kept = []  # the interpreter's folders, when they live under a folder we cover (a venv in /tmp)
-    for path in spec.get("keep", []):
-        if _under(path, covered) and not _under(path, [workspace]):
+    keep = spec.get("keep", [])
+    for path in keep:
+        inside_another = _under(path, [other for other in keep if other != path])  # comes with it
+        if _under(path, covered) and not _under(path, [workspace]) and not inside_another:
             fd = libc.check(
                 libc.lib.syscall(
                     SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC
@@ -233,7 +254,12 @@ def _build_mounts(libc: Libc, spec: dict) -> None:
     for path in [*top, *checkout, *([hide_root] if hide_root else [])]:
         _cover(libc, path)
     for path, fd in kept:
-        os.makedirs(path, exist_ok=True)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.makedirs(path, exist_ok=True)
+        else:  # a single file (a harness's script): its mount point is a file
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a"):
+                pass
         libc.check(
             libc.lib.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH),
             f"move_mount {path}",
