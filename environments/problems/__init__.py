@@ -2,12 +2,15 @@
 
 problem.py   Problem (and the PublicProblem a harness sees), Check, writing templates, reference solutions
 checks.py    the check language: hidden checks (probe + expected values) and visible test scripts
-grading.py   grade_workspace: probes judged outside the sandbox, or a neutralised grade command
+grading.py   grade_workspace: probes judged outside the sandbox, the built-in pytest grader, or a grade command
+grading_copy.py  the grading copy: only what the agent may change, special files skipped, bytes budgeted
+pytest_grader.py the built-in pytest grader: a runner outside the workspace, outcomes per hidden test id
 registry.py  the SUITES registry, generate(), stable problem ids, shared vocabulary
 repo.py      NL2RepoBench-like: write a module from a specification
 swe.py       DeepSWE-like: fix planted bugs in a small repository
 terminal.py  TerminalBench-like: reach a target file-system state
-folder.py    load user-provided problems from disk (instruction.md, workspace/, grade.sh)
+folder.py    load user-provided problems from disk (instruction.md, workspace/, tests/, solution/, ...);
+             environments/suites/ turns folders, manifests and plugins into a campaign's suites
 
 from environments.problems import generate, grade_workspace
 problems = generate("swe", 8, seed=0, difficulty=2, length=1)
