@@ -32,7 +32,9 @@ checkout and other workspaces invisible, CPU, memory, process and wall-clock lim
 The pytest-based graders and grade commands run the agent's code in the interpreter whose result
 they read; docs/security.md says what that leaves open. The agent's workspace is never modified.
 ``GraderError`` means the grader itself failed (it could not start, or a command grader printed no
-summary): the dispatcher retries it, then marks the execution ``eval_failed``.
+summary): the dispatcher retries it, then marks the execution ``eval_failed``. A grade that runs out
+of time is never an error: the agent's code can hang it, so unreported tests fail (pytest graders)
+and a grade command scores 0.
 """
 
 from __future__ import annotations
@@ -325,7 +327,10 @@ def _grade_command(problem: Problem, sandbox: Sandbox, copy: Path, timeout_s: fl
         log = tail("\n".join(notes + lines) + "\n" + log)
         return GradeResult(reward=passed / len(expected), passed=passed, total=len(expected), log=log)
     if result.timed_out:
-        raise GraderError(f"problem {problem.problem_id}: grader timed out after {timeout_s:g} s\n{log}")
+        # code the agent wrote can hang the grade: that must not escape its zero (an error is never
+        # trained on); a grader too slow on its own is what `gyre suite check` catches
+        log = tail(f"timed out after {timeout_s:g} s: scored 0\n{log}")
+        return GradeResult(reward=0.0, passed=0, total=1, log=log)
     if problem.grade_output == "exit_code":
         passed = int(result.returncode == 0)
         return GradeResult(reward=float(passed), passed=passed, total=1, log=log)

@@ -15,9 +15,11 @@ class in another module) are not seen by the count: write hidden tests as plain 
 stdin, so it lives outside the workspace and Python ignores the working folder and every PYTHON*
 variable. Before any test runs it marks itself non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``: no
 other process of its uid may read its memory or file descriptors), opens the report file (outside
-the workspace copy, beside it in the grading box), writes a start line, *appends* the workspace to
-``sys.path`` (the standard library and the real pytest always win over an agent's ``pytest.py`` or
-``json.py``) and runs ``pytest.main`` on the hidden test modules with plugin autoloading off
+the workspace copy, beside it in the grading box), writes a start line, adds a last-resort import
+finder for the workspace (it serves a top-level module only after the standard library and
+site-packages found none, and only to an import made by code that lives in the workspace: the real
+pytest always wins over an agent's ``pytest.py`` or ``json.py``, and pytest's own probes for
+optional modules never reach the agent's files) and runs ``pytest.main`` on the hidden test modules with plugin autoloading off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), ``-p no:cacheprovider``, an empty configuration file outside
 the workspace (``-c``), ``--rootdir`` the workspace and ``--import-mode=append``. Every test phase's
 outcome becomes one JSON line of the report carrying a random nonce that only the runner knows
