@@ -48,6 +48,12 @@ from trajectory_store.snapshots import SnapshotStore
 from trajectory_store.storage import Store, StoreError
 
 log = logging.getLogger(__name__)
+HARNESS_TASKS = 512
+"""Tasks (processes and threads) an external harness and everything it started may have at once: a
+harness runs thread pools of its own (64 concurrent calls, a Node runtime), so it gets more than one
+tool command's ``limits.processes``."""
+HARNESS_MEMORY_BYTES = 8 << 30
+"""Address space per process of an external harness, at least (each thread's stack counts)."""
 MAX_ATTEMPTS = 8
 """Attempts of one member superseded in a row before the dispatcher gives up (two dispatchers on one
 step would supersede each other's attempts)."""
@@ -310,8 +316,13 @@ class ExecutionRunner:
         config = self.config
         env["HOME"] = "/tmp"  # its private tmpfs: gone with the harness
         visible = [*harness_files(argv, env, config.harness_paths), str(side)]
-        cpu_s = max(config.harness.limits.cpu_s, math.ceil(config.timeout_s))
-        limits = replace(config.harness.limits, cpu_s=cpu_s)
+        tool = config.harness.limits
+        limits = replace(
+            tool,
+            cpu_s=max(tool.cpu_s, math.ceil(config.timeout_s)),
+            processes=max(tool.processes, HARNESS_TASKS),
+            memory_bytes=max(tool.memory_bytes, HARNESS_MEMORY_BYTES),
+        )
         return await ConfinedHarness.start(sandbox, argv, env, log_path, gateway_url, limits, visible)
 
     def _command(
