@@ -21,16 +21,18 @@ Every policy runs on the SAME sampled work (one seed per preset) and the same ce
   durations (`Preset.dispatch_order = "oracle"`): what ordering could buy, the limit of any length
   predictor; not a policy the controller can run.
 
-Each row reads against its lower bound (sim/run.py `lower_bound`: work over all cells, and the
-chain of longest executions the policy's depth allows). Prints a table and writes JSON:
-presets.<name>.policies.<policy> (figures), presets.<name>.async_split, and per preset
-elastic_over_async, elastic_over_colocate and elastic_sync_over_colocate (makespan ratios); the
-headline keys: paper.{speedup_vs_async, speedup_vs_colocate, over_lower_bound, async_over_lower_bound,
-speedup_vs_async_ceiling} (paper-flagship; the ceiling is async's makespan over the shared lower bound),
-paper.{oracle_order_over_lower_bound, oracle_order_speedup_vs_async} (the elastic-oracle row),
-real.{speedup_vs_async, speedup_vs_colocate, reward_by_policy, held_out_pass_rate_by_policy, makespan_s, rounds,
-speedup_vs_async_rounds, cpu_busy_by_policy, ...}, sim_vs_real_error,
-switch_s.{to_train_p50, to_rollout_p50, ...} (measured on the real cells).
+- async-paperlike: the paper's async baseline (sim/baselines.py): the same static splits, the next
+  batch generated and trained only once the previous one is complete; the fastest split reported.
+
+Each row reads against its lower bound (sim/result.py `lower_bound`: work over all cells, counting
+what was actually trained, and the chain of longest executions the policy's depth allows), both
+terms printed. Writes JSON: presets.<name>.policies.<policy> (figures), async_split,
+async_paperlike_split, elastic_over_async, elastic_over_colocate, ...; for paper-flagship the
+headline paper.{colocate_h, async_paperlike_h, async_tuned_h, elastic_h, speedup_vs_async_paperlike,
+speedup_vs_colocate, speedup_vs_async_tuned, over_lower_bound, bound_work_h, bound_chain_h, seeds,
+vs_seeds}; real.{...}, sim_vs_real_error, switch_s (the real runs). `--sim-only` writes no real
+rows, so the paper figures go to bench/results/schedule-paper.json (schedule.json keeps the last
+full run's real rows).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def suites_from_executions(executions: list[RecordedExecution]) -> tuple[Suite, 
         outputs = [c.output_len for e in group for c in e.calls]
         growth, gaps = [], []
         for e in group:
-            for before, after in zip(e.calls, e.calls[1:]):
+            for before, after in zip(e.calls[:-1], e.calls[1:], strict=True):
                 growth.append(max(after.prompt_len - before.prompt_len - before.output_len, 0))
                 gaps.append(after.t_start - before.t_end)
             if e.ended_at is not None:

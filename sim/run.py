@@ -5,11 +5,15 @@
     result = simulate(PRESETS["paper-flagship"], make_policy("elastic"), depth=2)
 
 One heapq event loop over modelled parts (sim/presets.py says what each preset assumes):
-- executions: segments of (decode, tool gap); a segment decodes at the latency of its engine's
-  batch at its context length, fixed when it starts; the deadline ends it as a timeout.
-- engines: `sessions_per_cell` slots each; dispatches and migrations go to the ready engine with
-  the fewest sessions. A cell leaving rollout migrates its sessions (KV bytes / bandwidth; a
-  session in a tool gap migrates during the gap), never interrupting them.
+- executions: segments of (prefill, decode, tool gap); dispatched executions wait until an engine
+  has KV room for their context (`EngineModel.kv_capacity_tokens`); a segment's new tokens are
+  prefilled, then it decodes in its engine's continuous batch; at a turn whose context no longer
+  fits, it is preempted (waits and recomputes); the deadline ends it as a timeout.
+- engines (`SimEngine`, `Preset.engines_per_cell` per cell): every decoding sequence gets a token
+  per step; the step latency follows the batch and its summed context and is recomputed whenever
+  the batch changes (one clock per engine). Dispatches go to the engine with the most free KV. A
+  cell leaving rollout migrates its sessions (KV bytes / bandwidth; a session in a tool gap
+  migrates during the gap), never interrupting them; with no KV room left they wait.
 - training streams: a group's tokens join its step's backlog when its last execution finishes;
   the ready train cells of the moment drain the oldest untrained step's backlog (a fluid model of
   micro-batches); the optimizer update follows once the step's batch is complete and trained,
