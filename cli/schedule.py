@@ -45,6 +45,14 @@ def add_sim_parser(commands) -> None:
         "trainer.tokens_per_s=8000, to_train_s=20, elastic.min_dwell_s=300 (repeatable)",
     )
     sim.add_argument("--out", default=None, help="also write the figures here (JSON)")
+    sim.add_argument(
+        "--suites-from",
+        default=None,
+        metavar="CAMPAIGN",
+        help="fit the preset's suites (turns, tokens per turn, tool gaps) on this campaign's recorded "
+        "executions (sim/recorded.py), before any --set",
+    )
+    sim.add_argument("--data-root", default="./gyre-data", help="the store holding --suites-from's campaign")
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -53,10 +61,45 @@ def run_sim(args: argparse.Namespace) -> int:
     from bench.schedule import print_preset, run_preset
     from sim.presets import PRESETS, with_settings
 
-    preset = with_settings(PRESETS[args.preset], args.settings)
+    preset = PRESETS[args.preset]
+    if args.suites_from:
+        import dataclasses
+
+        preset = dataclasses.replace(preset, suites=recorded_suites(args.data_root, args.suites_from))
+    preset = with_settings(preset, args.settings)
     figures = run_preset(preset)
     print_preset(preset.name, figures)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(figures, handle, indent=1)
     return 0
+
+
+def recorded_suites(data_root: str, campaign: str):
+    """The suites of a campaign's recorded executions (one per harness), fitted by sim/recorded.py."""
+    from sim.recorded import RecordedCall, RecordedExecution, suites_from_executions
+    from trajectory_store.db import connect
+    from trajectory_store.storage import Store, StoreConfig
+
+    con = connect(Store(StoreConfig(data_root=data_root, campaign=campaign)))
+    rows = con.execute(
+        """
+        SELECT e.harness, e.ended_at,
+               list(struct_pack(p := c.prompt_len, o := c.output_len, s := c.t_start, t := c.t_end)
+                    ORDER BY c.call_id)
+        FROM executions e JOIN calls c USING (execution_id)
+        WHERE e.status <> 'abandoned' AND c.t_start IS NOT NULL AND c.t_end IS NOT NULL
+        GROUP BY e.execution_id, e.harness, e.ended_at
+        """
+    ).fetchall()
+    con.close()
+    return suites_from_executions(
+        [
+            RecordedExecution(
+                harness or "recorded",
+                [RecordedCall(c["p"] or 0, c["o"] or 0, c["s"], c["t"]) for c in calls],
+                ended_at,
+            )
+            for harness, ended_at, calls in rows
+        ]
+    )

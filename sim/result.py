@@ -14,7 +14,8 @@ class Bound:
 
     work_s: float
     """(Slot-seconds of all executions at batch-1 speed / sessions per cell + training
-    cell-seconds) over all cells: no policy can keep the pool busier than fully."""
+    cell-seconds of the tokens actually trained + the updates) over all cells: no policy can keep
+    the pool busier than fully."""
     chain_s: float
     """The longest dependency chain: step s cannot start before update s - depth, so the chain
     sums, over every depth-th step, its longest execution at batch-1 speed and its update."""
@@ -37,6 +38,11 @@ class RunResult:
     switches: int
     migrations: int
     """Sessions moved between engines."""
+    preemptions: int
+    """Executions whose context no longer fitted their engine's KV cache at a turn: they left it
+    and recomputed their context when placed again."""
+    waited_s: float
+    """Mean seconds an execution waited for KV room (dispatched, on no engine)."""
     timeouts: int
     max_policy_lag: int
     """Largest step - version at any dispatch (the staleness of trained calls)."""
@@ -69,6 +75,8 @@ class RunResult:
             "idle_rollout": round(self.idle_rollout, 4),
             "switches": self.switches,
             "migrations": self.migrations,
+            "preemptions": self.preemptions,
+            "waited_s": round(self.waited_s, 1),
             "timeouts": self.timeouts,
             "max_policy_lag": self.max_policy_lag,
             "share_over_4h": round(self.share_over_4h, 4),
@@ -84,12 +92,13 @@ class RunResult:
         }
 
 
-def lower_bound(preset: Preset, work: Workload, depth: int) -> Bound:
-    """Both terms of SCHEDULER-NOTES' bound for a policy that keeps `depth` steps in flight."""
+def lower_bound(preset: Preset, work: Workload, depth: int, trained_tokens: float | None = None) -> Bound:
+    """Both terms of SCHEDULER-NOTES' bound for a policy that keeps `depth` steps in flight.
+    `trained_tokens`: what the run actually trained (a timed-out execution trains only the share
+    it did); None counts every execution in full (before a run: an upper estimate of the work)."""
     slot_s = float(work.batch1_s.sum()) / preset.engine.sessions_per_cell
-    train_s = (
-        float(work.train_tokens.sum()) / preset.trainer.tokens_per_s + preset.steps * preset.trainer.update_s
-    )
+    tokens = float(work.train_tokens.sum()) if trained_tokens is None else trained_tokens
+    train_s = tokens / preset.train_tokens_per_s + preset.steps * preset.trainer.update_s
     longest = work.batch1_s.max(axis=1) + preset.trainer.update_s
     chain = max(float(longest[r::depth].sum()) for r in range(min(depth, preset.steps)))
     return Bound(work_s=(slot_s + train_s) / preset.cluster.cells, chain_s=chain)

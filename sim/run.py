@@ -5,11 +5,15 @@
     result = simulate(PRESETS["paper-flagship"], make_policy("elastic"), depth=2)
 
 One heapq event loop over modelled parts (sim/presets.py says what each preset assumes):
-- executions: segments of (decode, tool gap); a segment decodes at the latency of its engine's
-  batch at its context length, fixed when it starts; the deadline ends it as a timeout.
-- engines: `sessions_per_cell` slots each; dispatches and migrations go to the ready engine with
-  the fewest sessions. A cell leaving rollout migrates its sessions (KV bytes / bandwidth; a
-  session in a tool gap migrates during the gap), never interrupting them.
+- executions: segments of (prefill, decode, tool gap); dispatched executions wait until an engine
+  has KV room for their context (`EngineModel.kv_capacity_tokens`); a segment's new tokens are
+  prefilled, then it decodes in its engine's continuous batch; at a turn whose context no longer
+  fits, it is preempted (waits and recomputes); the deadline ends it as a timeout.
+- engines (`SimEngine`, `Preset.engines_per_cell` per cell): every decoding sequence gets a token
+  per step; the step latency follows the batch and its summed context and is recomputed whenever
+  the batch changes (one clock per engine). Dispatches go to the engine with the most free KV. A
+  cell leaving rollout migrates its sessions (KV bytes / bandwidth; a session in a tool gap
+  migrates during the gap), never interrupting them; with no KV room left they wait.
 - training streams: a group's tokens join its step's backlog when its last execution finishes;
   the ready train cells of the moment drain the oldest untrained step's backlog (a fluid model of
   micro-batches); the optimizer update follows once the step's batch is complete and trained,
@@ -34,13 +38,14 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
 
 from scheduler.policy import CellState, Decision, Policy, SchedulerState, StepProgress
 from sim.presets import Preset, Workload, sample_workload
 from sim.result import RunResult, lower_bound
-from sim.state import SimCell, SimExecution, StepBook, Tally
+from sim.state import SimCell, SimEngine, SimExecution, StepBook, Tally
 
-DECODE_END, GAP_END, DEADLINE, SWITCH_DONE, TRAIN_DRAINED, UPDATE_DONE, TICK = range(7)
+ENGINE_STEP, PREFILL_END, GAP_END, DEADLINE, SWITCH_DONE, TRAIN_DRAINED, UPDATE_DONE, TICK = range(8)
 STEP_WINDOW = 4  # steps the controller lists in the state (a window of the campaign)
 STALL_FACTOR = 50  # a run past 50x its lower bound is a policy that stopped dispatching
 
@@ -60,8 +65,19 @@ class Simulation:
             for i in range(preset.cluster.cells)
         ]
         self.by_id = {c.cell_id: c for c in self.cells}
+        per_engine = max(1, preset.engine.sessions_per_cell // preset.engines_per_cell)
+        for c in self.cells:
+            c.engines = [
+                SimEngine(c.idx, preset.engine.kv_capacity_tokens, per_engine)
+                for _ in range(preset.engines_per_cell)
+            ]
+        self.engines = [engine for c in self.cells for engine in c.engines]
+        self.rollout_engines: list[SimEngine] = []
+        self._refresh_engines()
+        self.waiting: deque[SimExecution] = deque()
+        self.trained_tokens = 0.0
+        self.train_rate = preset.train_tokens_per_s
         self.ready_train = 1
-        self.slots: list[tuple[int, int]] = [(0, c.idx) for c in self.cells if c.role == "rollout"]
         self.execs = [
             [SimExecution(s, i) for i in range(preset.executions_per_step)] for s in range(preset.steps)
         ]
@@ -73,6 +89,7 @@ class Simulation:
             group_left=[[size] * n_groups for _ in range(preset.steps)],
             group_tokens=[[0.0] * n_groups for _ in range(preset.steps)],
             backlog=[0.0] * preset.steps,
+            held=[0.0] * preset.steps,
         )
         self.version = 0
         self.updating = False
@@ -122,6 +139,7 @@ class Simulation:
             count += 1
             self._handle(kind, target, gen)
         self._close_accounts()
+        bound = lower_bound(self.p, self.work, depth, self.trained_tokens)
         t = self.tally
         role, busy = t.role_s, t.busy_s
         return RunResult(
@@ -131,6 +149,8 @@ class Simulation:
             idle_rollout=1 - busy["rollout"] / role["rollout"] if role["rollout"] else 0.0,
             switches=t.switches,
             migrations=t.migrations,
+            preemptions=t.preemptions,
+            waited_s=t.waited_s / max(t.finished, 1),
             timeouts=t.timeouts,
             max_policy_lag=t.max_lag,
             share_over_4h=t.over_4h / max(t.finished, 1),
@@ -154,16 +174,20 @@ class Simulation:
     def _handle(self, kind: int, target: object, gen: int) -> None:
         if kind == TICK:
             self._tick()
-        elif kind in (DECODE_END, GAP_END, DEADLINE):
+        elif kind == ENGINE_STEP:
+            assert isinstance(target, SimEngine)
+            if target.gen == gen:
+                self._engine_step(target)
+        elif kind in (PREFILL_END, GAP_END, DEADLINE):
             assert isinstance(target, SimExecution)
             if target.done or (kind != DEADLINE and target.gen != gen):
                 return
             if kind == DEADLINE:
                 self._finish(target, timeout=True)
-            elif kind == DECODE_END:
-                self._decode_end(target)
+            elif kind == PREFILL_END:
+                self._join(target)
             else:
-                self._next_segment(target)
+                self._gap_end(target)
         elif kind == SWITCH_DONE:
             assert isinstance(target, SimCell)
             if target.switch_gen == gen:
@@ -181,11 +205,17 @@ class Simulation:
         decision = self.policy.decide(self._state())
         self._apply(decision)
         self._training_changed()
+        if self.p.cluster.shared_cores is not None:  # the training's demand for cores moves too
+            for engine in self.engines:
+                self._advance(engine)
+                self._rerate(engine)
         self._push(self.now + self.p.tick_s, TICK)
 
     def _state(self) -> SchedulerState:
         p, s = self.p, self.steps
-        cap_tokens = p.engine.max_context * p.engine.sessions_per_cell
+        cap_tokens = p.engine.kv_capacity_tokens * p.engines_per_cell
+        if math.isinf(cap_tokens):
+            cap_tokens = p.engine.max_context * p.engine.sessions_per_cell
         cells = tuple(
             CellState(
                 c.cell_id, c.role, c.core, c.phase, c.since, c.hosted, min(1.0, c.kv_tokens / cap_tokens)
@@ -207,7 +237,7 @@ class Simulation:
             steps=steps,
             policy_version=self.version,
             oldest_behaviour_version=min(live) if live else None,
-            train_backlog_s=backlog / p.trainer.tokens_per_s,
+            train_backlog_s=backlog / self.train_rate,
             switch_to_train_s=p.to_train_s,
             switch_to_rollout_s=p.to_rollout_s,
         )
@@ -229,6 +259,7 @@ class Simulation:
             self.tally.switches += 1
             cost = self.p.to_train_s if role == "train" else self.p.to_rollout_s
             self._push(self.now + cost, SWITCH_DONE, cell, cell.switch_gen)
+        self._refresh_engines()
         for cell in leaving:
             self._migrate_all(cell)
         for order in decision.dispatch:
@@ -239,7 +270,8 @@ class Simulation:
         self._account(cell)
         cell.phase = "ready"
         if cell.role == "rollout":
-            heapq.heappush(self.slots, (cell.hosted, cell.idx))
+            self._refresh_engines()
+            self._admit()
         else:
             self.ready_train += 1
         self._training_changed()
@@ -249,7 +281,7 @@ class Simulation:
         self.tally.role_s[cell.role] += self.now - cell.mark
         cell.mark = self.now
 
-    # ---- rollout ---------------------------------------------------------------------------------
+    # ---- rollout: admission (KV room), continuous batching, tool gaps -------------------------------
 
     def _dispatch(self, step: int, count: int) -> None:
         s = self.steps
@@ -260,25 +292,64 @@ class Simulation:
         s.dispatched[step] += count
         self.tally.first_dispatch.setdefault(step, self.now)
         self.tally.last_dispatch[step] = self.now
+        w = self.work
         for e in self.execs[step][first : first + count]:
             e.version, e.started = self.version, self.now
             self.dispatched += 1
             self.unfinished_by_version[e.version] = self.unfinished_by_version.get(e.version, 0) + 1
-            self._place(e, self._free_slot())
+            e.pending = float(w.decode_tokens[e.step, e.index, 0])
+            e.prefill_due = self._new_tokens(e, 0)
+            e.kv = float(w.context[e.step, e.index, 0])
+            self._wait(e)
             self._push(self.now + self.p.deadline_s, DEADLINE, e)
-            self._start_decode(e, 0.0, float(self.work.decode_tokens[e.step, e.index, 0]))
+        self._admit()
 
-    def _free_slot(self) -> SimCell:
-        """The ready rollout engine with the fewest sessions (lazy heap of (hosted, cell))."""
-        cap = self.p.engine.sessions_per_cell
-        while self.slots:
-            hosted, idx = heapq.heappop(self.slots)
-            cell = self.cells[idx]
-            if cell.role == "rollout" and cell.phase == "ready" and cell.hosted == hosted and hosted < cap:
-                return cell
-        raise RuntimeError(
-            f"no free rollout slot at t={self.now:.1f}s: the policy dispatched or moved cells beyond the capacity"
-        )
+    def _new_tokens(self, e: SimExecution, segment: int) -> float:
+        prefill = self.work.prefill_tokens
+        return 0.0 if prefill is None else float(prefill[e.step, e.index, segment])
+
+    def _wait(self, e: SimExecution, first: bool = False) -> None:
+        """Queues an execution for KV room (a preempted or displaced one goes first)."""
+        e.state, e.seg_end = "waiting", self.now
+        if first:
+            self.waiting.appendleft(e)
+        else:
+            self.waiting.append(e)
+
+    def _admit(self) -> None:
+        """Places waiting executions, oldest first, on engines with KV room for their context."""
+        while self.waiting:
+            e = self.waiting[0]
+            if e.done or e.state != "waiting":
+                self.waiting.popleft()
+                continue
+            engine = self._engine_for(e.kv)
+            if engine is None:
+                return
+            self.waiting.popleft()
+            self.tally.waited_s += self.now - e.seg_end
+            self._host(e, engine)
+            self._prefill(e, self.p.engine.prefill_s(e.prefill_due))
+
+    def _engine_for(self, tokens: float) -> SimEngine | None:
+        """The ready rollout engine with the most free KV that fits `tokens` and has a session free
+        (an empty engine takes any one execution: a context above its capacity must run somewhere)."""
+        best, best_key = None, None
+        for engine in self.rollout_engines:
+            if engine.hosted >= engine.max_sessions:
+                continue
+            free = engine.kv_capacity - engine.kv_used
+            if free < tokens and engine.hosted > 0:
+                continue
+            key = (free, -engine.hosted)
+            if best_key is None or key > best_key:
+                best, best_key = engine, key
+        return best
+
+    def _refresh_engines(self) -> None:
+        self.rollout_engines = [
+            engine for c in self.cells if c.role == "rollout" and c.phase == "ready" for engine in c.engines
+        ]
 
     def _occupancy(self, cell: SimCell) -> None:
         """Rollout work = slot-seconds used / slots: the share of its sessions a cell hosts."""
@@ -287,37 +358,46 @@ class Simulation:
         )
         cell.hosted_mark = self.now
 
-    def _place(self, e: SimExecution, cell: SimCell) -> None:
+    def _host(self, e: SimExecution, engine: SimEngine) -> None:
+        cell = self.cells[engine.cell]
         self._occupancy(cell)
         cell.hosted += 1
         cell.sessions.add(e)
-        e.cell = cell.idx
-        cell.kv_tokens += float(self.work.context[e.step, e.index, min(e.segment, self.p.segments - 1)])
-        heapq.heappush(self.slots, (cell.hosted, cell.idx))
-        if len(self.slots) > 8 * len(self.cells) + 1024:
-            self.slots = [(c.hosted, c.idx) for c in self.cells if c.role == "rollout" and c.phase == "ready"]
-            heapq.heapify(self.slots)
+        cell.kv_tokens += e.kv
+        engine.hosted += 1
+        engine.peak_hosted = max(engine.peak_hosted, engine.hosted)
+        engine.kv_used += e.kv
+        e.cell, e.engine = cell.idx, engine
 
-    def _unplace(self, e: SimExecution) -> SimCell:
-        cell = self.cells[e.cell]
+    def _unhost(self, e: SimExecution) -> None:
+        """Takes an execution off its engine (out of the batch if it decodes), freeing its KV."""
+        engine = e.engine
+        assert engine is not None
+        if e.state == "decode":
+            e.pending = self._leave(e)
+        cell = self.cells[engine.cell]
         self._occupancy(cell)
         cell.hosted -= 1
         cell.sessions.discard(e)
-        cell.kv_tokens -= float(self.work.context[e.step, e.index, min(e.segment, self.p.segments - 1)])
-        if e.decoding:
-            self._cores_changing()
-            cell.decoding -= 1
-            e.decoding = False
-        if cell.role == "rollout" and cell.phase == "ready":
-            heapq.heappush(self.slots, (cell.hosted, cell.idx))
-        e.cell = -1
-        return cell
+        cell.kv_tokens -= e.kv
+        engine.hosted -= 1
+        engine.kv_used -= e.kv
+        e.cell, e.engine = -1, None
+
+    def _prefill(self, e: SimExecution, seconds: float) -> None:
+        """Prefills (the segment's new tokens, or a whole context) and then decodes `e.pending`."""
+        e.prefill_due = 0.0
+        if seconds <= 0:
+            self._join(e)
+            return
+        e.state = "prefill"
+        self._schedule(e, self.now + seconds, PREFILL_END)
 
     def _demand(self) -> int:
         """Cores wanted now: each decoding or training cell one (during the update only the core
         works: optimizer step, checkpoint, publication; the satellites wait)."""
         training = 1 if self.updating else self._train_cells() if self._training() else 0
-        return sum(1 for c in self.cells if c.decoding > 0) + training
+        return sum(1 for c in self.cells if c.decoding > 0) + math.ceil(training)
 
     def _speed(self) -> float:
         """CPU presets share cores between everything that wants one; GPU cells run at full speed."""
@@ -332,61 +412,155 @@ class Simulation:
         if self.p.cluster.shared_cores is not None:
             self._advance_training()
 
-    def _start_decode(self, e: SimExecution, delay: float, tokens: float) -> None:
-        """Decodes `tokens` after `delay` at the latency of the engine's batch as it is now."""
-        cell = self.cells[e.cell]
-        context = float(self.work.context[e.step, e.index, e.segment])
+    # ---- the continuous batch of one engine
+
+    def _advance(self, engine: SimEngine) -> None:
+        if engine.batch:
+            engine.vclock += (self.now - engine.mark) / engine.step_s
+        engine.mark = self.now
+
+    def _rerate(self, engine: SimEngine) -> None:
+        """Recomputes the step latency of the batch as it is now and reschedules its next finish."""
+        engine.gen += 1
+        heap = engine.finishing
+        while heap and (heap[0][2].gen != heap[0][3] or heap[0][2].state != "decode"):
+            heapq.heappop(heap)
+        if not engine.batch:
+            return
+        engine.step_s = self.p.engine.step_latency(engine.batch, engine.context_sum) / self._speed()
+        if heap:
+            delay = max(heap[0][0] - engine.vclock, 0.0) * engine.step_s
+            self._push(self.now + delay, ENGINE_STEP, engine, engine.gen)
+
+    def _join(self, e: SimExecution) -> None:
+        """`e` starts decoding its `pending` tokens in its engine's batch."""
+        engine = e.engine
+        assert engine is not None
+        self._advance(engine)
         self._cores_changing()
-        cell.decoding += 1
-        e.latency = self.p.engine.latency(cell.decoding, context) / self._speed()
-        e.decoding = True
-        self._schedule(e, self.now + delay + tokens * e.latency, DECODE_END)
+        context = float(self.work.context[e.step, e.index, e.segment])
+        engine.batch += 1
+        engine.context_sum += context
+        self.cells[engine.cell].decoding += 1
+        e.state, e.gen = "decode", e.gen + 1
+        e.v_end = engine.vclock + e.pending
+        self.seq += 1
+        heapq.heappush(engine.finishing, (e.v_end, self.seq, e, e.gen))
+        self._batch_changed(engine)
+
+    def _leave(self, e: SimExecution) -> float:
+        """`e` leaves its engine's batch; returns the tokens it had left to decode."""
+        engine = e.engine
+        assert engine is not None
+        self._advance(engine)
+        self._cores_changing()
+        engine.batch -= 1
+        engine.context_sum -= float(self.work.context[e.step, e.index, e.segment])
+        if engine.batch == 0:
+            engine.context_sum = 0.0
+        self.cells[engine.cell].decoding -= 1
+        e.state, e.gen = "leaving", e.gen + 1
+        left = max(e.v_end - engine.vclock, 0.0)
+        self._batch_changed(engine)
+        return left
+
+    def _batch_changed(self, engine: SimEngine) -> None:
+        if self.p.cluster.shared_cores is None:
+            self._rerate(engine)
+        else:  # on shared cores every engine's speed follows the number of busy cells
+            for other in self.engines:
+                if other is not engine:
+                    self._advance(other)
+                self._rerate(other)
+
+    def _engine_step(self, engine: SimEngine) -> None:
+        """Sequences whose tokens are all decoded go to their tool gap."""
+        self._advance(engine)
+        heap = engine.finishing
+        done = []
+        tolerance = 1e-6 + 1e-9 * engine.vclock
+        while heap and heap[0][0] <= engine.vclock + tolerance:
+            _, _, e, gen = heapq.heappop(heap)
+            if e.gen == gen and e.state == "decode":
+                done.append(e)
+        for e in done:
+            self._leave(e)
+            e.state = "gap"
+            self._schedule(e, self.now + float(self.work.gaps_s[e.step, e.index, e.segment]), GAP_END)
+        if not done:
+            self._rerate(engine)
 
     def _schedule(self, e: SimExecution, when: float, kind: int) -> None:
         e.gen += 1
         e.seg_end = when
         self._push(when, kind, e, e.gen)
 
-    def _decode_end(self, e: SimExecution) -> None:
-        self._cores_changing()
-        self.cells[e.cell].decoding -= 1
-        e.decoding = False
-        self._schedule(e, self.now + float(self.work.gaps_s[e.step, e.index, e.segment]), GAP_END)
-
-    def _next_segment(self, e: SimExecution) -> None:
+    def _gap_end(self, e: SimExecution) -> None:
+        """The tool returned: the next segment grows the context (its new tokens are prefilled) if
+        the engine has KV room; otherwise the execution is preempted and waits to recompute."""
         if e.segment + 1 == self.p.segments:
             self._finish(e, timeout=False)
             return
-        cell = self.cells[e.cell]
         w = self.work
-        cell.kv_tokens += float(
-            w.context[e.step, e.index, e.segment + 1] - w.context[e.step, e.index, e.segment]
-        )
-        e.segment += 1
-        self._start_decode(e, 0.0, float(w.decode_tokens[e.step, e.index, e.segment]))
+        k = e.segment + 1
+        context = float(w.context[e.step, e.index, k])
+        engine = e.engine
+        if engine is not None and (
+            engine.kv_used - e.kv + context <= engine.kv_capacity or engine.hosted == 1
+        ):
+            cell = self.cells[engine.cell]
+            engine.kv_used += context - e.kv
+            cell.kv_tokens += context - e.kv
+            e.kv, e.segment = context, k
+            e.pending = float(w.decode_tokens[e.step, e.index, k])
+            self._prefill(e, self.p.engine.prefill_s(self._new_tokens(e, k)))
+            return
+        if engine is not None:
+            self.tally.preemptions += 1
+            self._unhost(e)
+        e.segment, e.kv = k, context
+        e.pending = float(w.decode_tokens[e.step, e.index, k])
+        e.prefill_due = context  # its KV is gone: the whole context is computed again
+        self._wait(e, first=True)
+        self._admit()
 
     def _migrate_all(self, cell: SimCell) -> None:
-        """Moves every session of a cell leaving rollout to the engines that stay."""
+        """Moves every session of a cell leaving rollout to the engines that stay (KV at the
+        migration bandwidth; one in a tool gap moves during the gap). With no KV room left it waits
+        and recomputes its context when placed."""
         for e in sorted(cell.sessions, key=lambda e: (e.step, e.index)):
             self._migrate(e)
+        self._admit()
 
     def _migrate(self, e: SimExecution) -> None:
         engine = self.p.engine
-        context = float(self.work.context[e.step, e.index, e.segment])
-        move_s = engine.migrate_fixed_s + context * engine.kv_bytes_per_token / engine.migrate_bytes_per_s
-        was_decoding = e.decoding
-        remaining = max(e.seg_end - self.now, 0.0)
-        self._unplace(e)
-        self._place(e, self._free_slot())
+        move_s = engine.migrate_fixed_s + e.kv * engine.kv_bytes_per_token / engine.migrate_bytes_per_s
+        state = e.state
+        if state == "prefill":
+            e.prefill_due = 0.0  # restarts its prefill after the move (counted in the move)
+        self._unhost(e)
+        target = self._engine_for(e.kv)
+        if target is None:
+            if state == "gap":
+                e.state = "unplaced"  # its tool runs on; at the gap's end it waits for an engine
+            else:
+                e.prefill_due = e.kv
+                e.gen += 1
+                self._wait(e, first=True)
+            return
+        self._host(e, target)
         self.tally.migrations += 1
-        if was_decoding:
-            self._start_decode(e, move_s, remaining / e.latency)
-        else:
+        if state == "gap":
+            e.state = "gap"
             self._schedule(e, max(e.seg_end, self.now + move_s), GAP_END)  # KV moves during the gap
+        else:
+            self._prefill(e, move_s)
 
     def _finish(self, e: SimExecution, timeout: bool) -> None:
-        self._unplace(e)
+        if e.engine is not None:
+            self._unhost(e)
         e.done = True
+        e.state = "done"
         self.finished += 1
         self.unfinished_by_version[e.version] -= 1
         t = self.tally
@@ -397,18 +571,30 @@ class Simulation:
         share = (e.segment + 0.5) / self.p.segments if timeout else 1.0
         s = self.steps
         group = e.index // self.p.group_size
-        s.group_tokens[e.step][group] += float(self.work.train_tokens[e.step, e.index]) * share
+        tokens = float(self.work.train_tokens[e.step, e.index]) * share
+        s.group_tokens[e.step][group] += tokens
+        self.trained_tokens += tokens
         s.group_left[e.step][group] -= 1
         if s.group_left[e.step][group] == 0:
             self._advance_training()
             s.finished_groups[e.step] += 1
-            s.backlog[e.step] += s.group_tokens[e.step][group]
+            if self.p.stream_training:
+                s.backlog[e.step] += s.group_tokens[e.step][group]
+            else:
+                s.held[e.step] += s.group_tokens[e.step][group]
+                if s.finished_groups[e.step] == self.p.groups_per_step:
+                    s.backlog[e.step] += s.held[e.step]
             self._training_changed()
+        self._admit()
 
     # ---- training (fluid micro-batches) ---------------------------------------------------------
 
-    def _train_cells(self) -> int:
-        return self.ready_train
+    def _train_cells(self) -> float:
+        """Ready train cells, in full-rate cells: below the model's minimum footprint they offload
+        and train at `offload_efficiency` of their rate."""
+        if self.ready_train >= self.p.trainer.min_cells:
+            return self.ready_train
+        return self.ready_train * self.p.trainer.offload_efficiency
 
     def _training(self) -> bool:
         return self.version < self.p.steps and (self.updating or self.steps.backlog[self.version] > 0)
@@ -422,12 +608,12 @@ class Simulation:
             self.tally.core_busy_s += dt * min(self.p.cluster.shared_cores, self._demand())
         if dt <= 0 or not self._training():
             return
-        cells = self._train_cells()
+        cells = self.ready_train if self.updating else self._train_cells()
         self.tally.busy_s["train"] += cells * dt
         if self.updating:
             self.update_left -= dt * self._speed()
         else:
-            rate = cells * self.p.trainer.tokens_per_s * self._speed()
+            rate = cells * self.train_rate * self._speed()
             self.steps.backlog[self.version] = max(0.0, self.steps.backlog[self.version] - rate * dt)
 
     def _training_changed(self) -> None:
@@ -445,7 +631,7 @@ class Simulation:
         self.train_gen += 1
         backlog = self.steps.backlog[self.version]
         if backlog > 1e-6:
-            rate = self._train_cells() * self.p.trainer.tokens_per_s * self._speed()
+            rate = self._train_cells() * self.train_rate * self._speed()
             if rate > 0:
                 self._push(self.now + backlog / rate, TRAIN_DRAINED, self.train_gen)
         elif self.steps.finished_groups[self.version] == self.p.groups_per_step:

@@ -56,17 +56,18 @@ def test_makespan_is_never_below_the_lower_bound(preset, name):
     assert result.max_policy_lag == RUNS[name][1] - 1
 
 
-def test_elastic_is_no_slower_than_colocate_on_a_heavy_tail():
+def test_elastic_is_no_slower_than_colocate_on_the_flagship():
     elastic, colocate = run(SMALL_FLAGSHIP, "elastic"), run(SMALL_FLAGSHIP, "colocate")
-    assert elastic.share_over_4h > 0.4  # the heavy tail is really there
     assert elastic.makespan_s <= colocate.makespan_s
     assert elastic.switches > 0 and elastic.migrations > 0  # it moved cells with live sessions
 
 
 def test_the_flagship_workload_is_shaped_like_the_paper():
     work = sample_workload(dataclasses.replace(PAPER_FLAGSHIP, steps=4))
-    assert 600_000 < work.train_tokens.mean() < 800_000
-    assert 0.5 < (work.batch1_s >= 4 * 3600).mean() < 0.7
+    assert 600_000 < work.train_tokens.mean() < 800_000  # ~700K tokens per rollout
+    # a step of 1.5-3 hours: its longest execution at batch-1 speed runs well under the deadline
+    assert work.batch1_s.max(axis=1).max() < 2.5 * 3600 < PAPER_FLAGSHIP.deadline_s
+    assert work.prefill_tokens.sum() > 5 * work.decode_tokens.sum()  # tool results dominate the tokens
 
 
 def test_gyre_bench_schedule_quick_writes_its_json(tmp_path):
@@ -76,11 +77,27 @@ def test_gyre_bench_schedule_quick_writes_its_json(tmp_path):
     )
     report = json.loads(out.read_text())
     figures = report["presets"]["cpu-small"]
-    assert set(figures["policies"]) == {"colocate", "async", "elastic", "elastic-sync", "elastic-oracle"}
+    assert set(figures["policies"]) == {
+        "colocate",
+        "async",
+        "async-paperlike",
+        "elastic",
+        "elastic-sync",
+        "elastic-oracle",
+    }
     assert figures["async_split"]["train_cells"] in PRESETS["cpu-small"].async_splits
     assert figures["elastic_over_async"] > 0 and figures["elastic_over_colocate"] > 0
     row = figures["policies"]["elastic"]
-    for key in ("makespan_s", "idle_train", "idle_rollout", "switches", "lower_bound_s", "over_lower_bound"):
+    for key in (
+        "makespan_s",
+        "idle_train",
+        "idle_rollout",
+        "switches",
+        "lower_bound_s",
+        "bound_work_s",
+        "bound_chain_s",
+        "over_lower_bound",
+    ):
         assert key in row
 
 

@@ -46,6 +46,7 @@ def test_gyre_sim_prints_and_writes_the_comparison(tmp_path, capsys):
     assert figures["steps"] == 3 and set(figures["policies"]) == {
         "colocate",
         "async",
+        "async-paperlike",
         "elastic",
         "elastic-sync",
         "elastic-oracle",
