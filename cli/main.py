@@ -27,6 +27,7 @@
     gyre bench store|train|engine|rollout|learn [--quick]  the benchmarks (figures printed and in bench/results/)
     gyre bench ui [--out bench/results/ui.png]         a screenshot of a campaign in the Prefect UI
     gyre bench schedule [--quick] [--sim-only]         elastic vs colocate vs async: simulated at paper scale + real on CPU
+    gyre bench exploits [--graders KINDS]              every known exploit against every folder grader (reward integrity)
     gyre bench faults [--quick] [--only PARTS]         processes killed, misbehaving agents, gateway load: lost / duplicated work
     gyre sim [--preset NAME] [--set KEY=VALUE ...]     one simulated comparison of the three policies, against the bound
 
@@ -170,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_bench_parser(bench_commands)
     campaign.add_campaign_parsers(commands, bench_commands)
     schedule.add_schedule_parser(bench_commands)
+    exploits = bench_commands.add_parser(
+        "exploits",
+        help="reward integrity: every known exploit against every folder grader, final and snapshot",
+    )
+    exploits.add_argument("--graders", default="pytest,checks,junit,json,exit_code", help="grader kinds")
+    exploits.add_argument("--only", nargs="*", default=[], help="exploits whose name contains one of these")
+    exploits.add_argument("--out", default="bench/results/exploits.json", help="where the figures go (JSON)")
     faults = bench_commands.add_parser(
         "faults", help="faults and load on real processes: lost and duplicated work, recovery seconds"
     )
@@ -240,6 +248,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.store import main as bench_store
 
         return bench_store(quick=args.quick, out=args.out)
+    if args.command == "bench" and args.bench_command == "exploits":
+        from bench.exploits import main as bench_exploits
+
+        return bench_exploits(["--graders", args.graders, "--out", args.out, "--only", *args.only])
     if args.command == "bench" and args.bench_command == "faults":
         from bench.faults import main as bench_faults
 
