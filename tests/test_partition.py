@@ -191,3 +191,28 @@ def test_the_real_benchmarks_cells_own_their_share(tmp_path):
         assert set(used) == {"cell-0", "cell-1"} and all(s and s > 0 for s in used.values())  # loading
         assert cell_cpu_s(used, bench.pool.cpu_usage_s()).keys() == used.keys()
     assert not any(folder.exists() for folder in folders)
+
+
+def test_a_cells_processes_are_started_with_its_cgroup_and_a_campaigns_services_carry_them():
+    """process_env names the cell's cgroup (the process joins it in enter_cell); a campaign's
+    Services carry each cell's, so the scheduler's replicas and core trainer join their cell's."""
+    from engines.devices import process_env
+    from tasks.services.campaign import Services
+
+    cell = CellDevices(
+        threads=2, cgroup=["/sys/fs/cgroup/cpu/gyre/r.1/cell-0", "/sys/fs/cgroup/cpuacct/gyre/r.1/cell-0"]
+    )
+    assert process_env(cell)["GYRE_CPU_CGROUP"] == os.pathsep.join(cell.cgroup)  # type: ignore[arg-type]
+    assert "GYRE_CPU_CGROUP" not in process_env(CellDevices())
+    services = Services(
+        gateway_url="http://g",
+        admin_token="a",
+        engine_urls=["http://e0", "http://e1"],
+        engine_admin_token="e",
+        policy_root="/p",
+        fast_dir="/f",
+        cell_cgroups=[["/c0"], ["/c1"]],
+    )
+    assert services.in_cell(CellDevices(threads=3), 1) == CellDevices(threads=3, cgroup=["/c1"])
+    unpartitioned = services.model_copy(update={"cell_cgroups": []})
+    assert unpartitioned.in_cell(CellDevices(threads=3), 1) == CellDevices(threads=3)
