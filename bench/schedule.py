@@ -161,6 +161,17 @@ def print_real(real: dict) -> None:
             f"{row['role_share']['train']:>13.2f}{busy:>10}{row['mean_reward']:>8.3f}"
             f"{' / '.join(f'{x:.3f}' for x in real.get('held_out_pass_rate_by_policy', {}).get(label, [])):>20}"
         )
+    if real.get("partitioned"):  # each cell's CPU use from its cgroup, in cores, cell-0 first
+        cores = real.get("cpu_cores_by_policy", {})
+        print(
+            "cells own their CPU (a cgroup quota each); cores used per cell: "
+            + "; ".join(
+                f"{label} {' '.join(f'{c:.2f}' for c in by_cell.values())}"
+                for label, by_cell in cores.items()
+            )
+        )
+    elif "partitioned" in real:
+        print("cells share the cores (not partitioned): an idle cell's CPU goes to the others")
     switch = real["switch_s"]
     if real.get("rounds", 1) > 1:
         print(

@@ -1,6 +1,6 @@
 """The three scheduling policies for real, on this machine's CPU: the same cells, the same work.
 
-    python -m bench.schedule_real [--quick]     # also part of `gyre bench schedule` (its `real` key)
+    python -m bench.schedule_real [--quick] [--partition none]   # also `gyre bench schedule` (`real`)
 
 One serving stack (an engine per cell, one torch thread each, the gateway) and one `CellPool` (a
 replica process per non-core cell) serve every policy in turn; each policy runs the same steps of
@@ -8,6 +8,15 @@ the same problems (heavy-tailed executions: a quarter of them run 3-6 times the 
 as its own campaign in one data root, starting from the shipped warm start, with the controller of
 scheduler/controller.py deciding roles and dispatch every tick. Between policies every cell goes
 back to rollout and every engine back to version 0.
+
+The cells own their CPU share (``--partition cgroup``, the default; engines/devices/cpu_quota.py): a
+cgroup per cell with the machine's cores over the cells as quota (0.5 core each: 4 cells on 2 cores)
+holds its engine, its replica and, for cell-0, the core trainer, so an idle cell's share is lost as an
+idle GPU is and a cell that switches to training brings its share. Where the machine refuses cgroups
+(not root, no cgroup cpu controller) one warning says so, the cells share the cores, and the figures
+say ``partitioned: false``: an elastic gain cannot show then (an idle cell's CPU already goes to the
+others). Each policy's CPU use per cell (seconds, and cores = seconds over the run's wall time) is
+read from the cgroups.
 
 Figures per policy: makespan (first dispatch to the last step's published version), switches and
 their latency per phase, the share of cell-seconds in each role, the share of the cores' time kept
@@ -26,11 +35,12 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from engines.admin import AdminClient
+from engines.devices import CellDevices
 from engines.quantiles import quantile
 from engines.train.config import TrainerConfig
 from environments.dispatch_config import DispatchConfig, DurationProfile
@@ -100,21 +110,47 @@ def dispatch_config(group_size: int, run_id: str) -> DispatchConfig:
 class RealBench:
     """The stack and the pool, started once, and one policy's campaign at a time on them."""
 
-    def __init__(self, root: str, model: str = POLICY, cells: int = CELLS):
-        self.root, self.model, self.cells = root, model, cells
+    def __init__(
+        self,
+        root: str,
+        model: str = POLICY,
+        cells: int = CELLS,
+        partition: Literal["cgroup", "none"] = "cgroup",
+    ):
+        self.root, self.model, self.cells, self.partition = root, model, cells, partition
         self.store = StoreConfig(data_root=os.path.join(root, "data"))
 
     def __enter__(self) -> RealBench:
         started = time.perf_counter()
         self._stack = local_stack(
-            self.model, self.store, engines=self.cells, threads=1, dtype="float32", max_batch_size=8
+            self.model,
+            self.store,
+            engines=self.cells,
+            threads=1,
+            dtype="float32",
+            max_batch_size=8,
+            partition=self.partition,
         )
         stack = self._stack.__enter__()
         self.stack = stack
-        admin = AdminClient(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
-        self.pool = cell_pool(admin, stack.engine_urls, self.model)
+        try:
+            admin = AdminClient(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
+            # each replica joins its cell's cgroup (stack.cells), the quota of which it shares with the engine
+            self.pool = cell_pool(admin, stack.engine_urls, self.model, stack.cells, stack.partition)
+        except BaseException as error:
+            self._stack.__exit__(type(error), error, error.__traceback__)
+            raise
         self.start_s = time.perf_counter() - started
         return self
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether every cell owns its CPU share (False: asked for 'none', or the machine refused)."""
+        return self.stack.partition.partitioned
+
+    def core_cell(self) -> CellDevices:
+        """The core trainer's process: one thread, in the core cell's (cell-0's) cgroup."""
+        return CellDevices(threads=1, cgroup=self.stack.cells[0].cgroup)
 
     def __exit__(self, *exc) -> None:
         try:
@@ -166,17 +202,24 @@ class RealBench:
             self.model,
             max_policy_lag=1,
             trainer_threads=1,
+            trainer_cell=self.core_cell(),
         )
         controller = Controller(
             make_policy(policy, **params), self.pool, runtime, sessions_per_cell=SESSIONS_PER_CELL
         )
+        used_before, window_started = self.pool.cpu_usage_s(), time.perf_counter()
         try:
             report = run_controller(controller, runtime, work.steps_work())
         finally:
             runtime.close()
+        window_s = time.perf_counter() - window_started
+        cpu_s = cell_cpu_s(used_before, self.pool.cpu_usage_s())
         figures = report.figures()
         figures.update(
             cpu_busy=report.cpu_busy,
+            partitioned=self.partitioned,
+            cpu_s_by_cell=cpu_s,  # {} when not partitioned
+            cpu_cores_by_cell={cell: round(s / window_s, 3) for cell, s in cpu_s.items()},
             policy=label,
             params=params,
             errors=controller.errors,
@@ -276,6 +319,15 @@ class RealBench:
         )
 
 
+def cell_cpu_s(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float]:
+    """CPU seconds each cell used between two readings of its cgroup (cells without a reading left out)."""
+    return {
+        cell: round(after[cell] - start, 2)  # type: ignore[operator]
+        for cell, start in before.items()
+        if start is not None and after.get(cell) is not None
+    }
+
+
 CALIBRATION_SEED = 8000  # the calibration run's problems; the compared runs use RealWork.seed
 
 
@@ -310,14 +362,19 @@ def sim_check(measured: dict[str, list[MeasuredRun]]) -> tuple[Preset, dict[str,
 
 
 def compare(
-    quick: bool = False, root: str | None = None, rounds: int | None = None, measured_out: str | None = None
+    quick: bool = False,
+    root: str | None = None,
+    rounds: int | None = None,
+    measured_out: str | None = None,
+    partition: Literal["cgroup", "none"] = "cgroup",
 ) -> dict[str, Any]:
     """Every policy of POLICIES on the same work and cells, `rounds` times in turn (colocate, async,
     elastic, colocate, ...), then the simulator calibrated on a colocate run of other problems
     predicting each run: the `real` section of schedule.json. A policy's makespan is the mean over
     its rounds (`makespan_rounds_s` has each); its other figures are its first round's.
     `measured_out`: also write every run's executions there (JSON, `sim.calibrate.save_measured`),
-    so `python -m bench.schedule_real --measured FILE` checks the simulator against them again."""
+    so `python -m bench.schedule_real --measured FILE` checks the simulator against them again.
+    ``partition``: 'cgroup' (each cell owns its CPU share) or 'none' (the cells share the cores)."""
     rounds = rounds or (1 if quick else ROUNDS)
     work = RealWork(steps=2 if quick else 3, problems_per_step=6 if quick else 8, group_size=2, seed=7000)
     calibration_work = dataclasses.replace(work, seed=CALIBRATION_SEED)
@@ -325,7 +382,8 @@ def compare(
     root = root or tempfile.mkdtemp(prefix="gyre-schedule-real-")
     runs_of: dict[str, list[dict[str, Any]]] = {}
     try:
-        with RealBench(root) as bench:
+        with RealBench(root, partition=partition) as bench:
+            partitioned = bench.partitioned
             runs = [("calibration", "calibration", "colocate", {}, calibration_work)]
             runs += [
                 (label, label if r == 0 else f"{label}-r{r}", policy, params, work)
@@ -337,9 +395,11 @@ def compare(
                 row = bench.run(run_label, policy, params, chosen)
                 runs_of.setdefault(label, []).append(row)
                 busy = "-" if row["cpu_busy"] is None else f"{row['cpu_busy']:.2f}"
+                cores = " ".join(f"{c:.2f}" for c in row["cpu_cores_by_cell"].values()) or "-"
                 print(
                     f"real {run_label:<12} makespan {row['makespan_s']:7.1f} s  switches {row['switches']:3d}  "
-                    f"train share {row['role_share']['train']:.2f}  cpu busy {busy}  errors {len(row['errors'])}  "
+                    f"train share {row['role_share']['train']:.2f}  cpu busy {busy}  cell cores {cores}  "
+                    f"errors {len(row['errors'])}  "
                     f"({time.perf_counter() - started:.0f} s)",
                     flush=True,
                 )
@@ -385,6 +445,7 @@ def compare(
             "max_tokens": MAX_TOKENS,
         },
         "pool_start_s": round(start_s, 1),
+        "partitioned": partitioned,  # every cell in a CPU cgroup with its share as quota
         "policies": rows,
         "makespan_s": {label: row["makespan_s"] for label, row in rows.items()},
         "speedup_vs_async": round(rows["async"]["makespan_s"] / elastic, 4),
@@ -409,6 +470,9 @@ def compare(
             label: [row["held_out_pass_rate"] for row in runs_of[label]] for label in POLICIES
         },
         "cpu_busy_by_policy": {label: row["cpu_busy"] for label, row in rows.items()},
+        # per policy (its first round), each cell's CPU use from its cgroup: seconds, and cores
+        "cpu_s_by_policy": {label: row["cpu_s_by_cell"] for label, row in rows.items()},
+        "cpu_cores_by_policy": {label: row["cpu_cores_by_cell"] for label, row in rows.items()},
         "switch_s": {
             **{
                 f"to_{role}_p{q}": None if (value := quantile(seconds, q / 100)) is None else round(value, 3)
@@ -439,6 +503,12 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the figures here (JSON)")
     parser.add_argument("--measured-out", default=None, help="also write every run's executions here (JSON)")
     parser.add_argument(
+        "--partition",
+        choices=["cgroup", "none"],
+        default="cgroup",
+        help="cgroup: each cell owns its CPU share (a cgroup quota; needs root); none: the cells share the cores",
+    )
+    parser.add_argument(
         "--measured", default=None, help="no runs: check the simulator against the runs saved in this file"
     )
     args = parser.parse_args()
@@ -451,7 +521,7 @@ def main() -> int:
         }
         print(json.dumps({**fitted, "sim_vs_real": checked}, indent=1))
         return 0
-    figures = compare(args.quick, measured_out=args.measured_out)
+    figures = compare(args.quick, measured_out=args.measured_out, partition=args.partition)
     print(json.dumps({k: v for k, v in figures.items() if k != "policies"}, indent=1))
     if args.out:
         with open(args.out, "w") as handle:

@@ -24,6 +24,13 @@ step; its engine only serves while the whole pool rolls out (colocate).
 train -> rollout: the replica leaves after its current micro-batch (its gradient sum is handed to the
 core, so nothing it computed is lost), the engine wakes with the newest published weights, and the
 gateway routes new sessions to it again.
+
+A cell owns its share of the hardware: on a GPU its devices; on CPU, with `[serving] partition =
+"cgroup"`, a CPU cgroup with its share as quota (engines/devices/cpu_quota.py). The quota belongs to
+the cell, not to a process: the engine and the replica of a cell (and the core trainer for the core
+cell) are all in the cell's cgroup, so a switch moves nothing. The end that sleeps uses none of the
+share and the end that works may use all of it; an idle cell's share is lost to the others, as an
+idle GPU is. ``pool.partition.usage_s()`` is each cell's CPU use.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any, Protocol
 from engines.admin import AdminClient, DrainReport
 from engines.devices import CellDevices, process_env
 from engines.devices import settings as devices
+from engines.devices.cpu_quota import CpuPartition
 from engines.train.satellite import run_satellite
 from scheduler.policy import CellState, Role
 
@@ -108,7 +116,8 @@ class Replica:
     def __init__(
         self, model_dir: str, threads: int, loss: dict | None = None, cell: CellDevices | None = None
     ):
-        """``cell``: its cell's GPUs and cores (``threads`` threads, or the cell's when given)."""
+        """``cell``: its cell's GPUs, cores and CPU cgroup (``threads`` threads, or the cell's when given):
+        the process joins the cell's cgroup as it starts (engines/devices/settings.enter_cell)."""
         context = multiprocessing.get_context("spawn")
         self.commands, self.events, self.leave = context.Queue(), context.Queue(), context.Event()
         env = process_env(cell or CellDevices(threads=threads))
@@ -233,7 +242,7 @@ class Cell:
 class CellPool:
     """The cells of one campaign, their roles, and the switches between them (a log of `Switch`).
     ``sessions()``: engine id -> its live sessions (what a policy sees); ``on_close``: called last by
-    ``close``."""
+    ``close``; ``partition``: the cells' CPU cgroups (their owner, the stack, removes them)."""
 
     def __init__(
         self,
@@ -242,6 +251,7 @@ class CellPool:
         sessions: Callable[[], dict[str, int]] | None = None,
         on_close: Callable[[], None] | None = None,
         clock=time.monotonic,
+        partition: CpuPartition | None = None,
     ):
         if sum(c.spec.core for c in cells) > 1:
             raise ValueError(
@@ -251,6 +261,7 @@ class CellPool:
         self.started = clock()
         self.cells = {c.spec.cell_id: c for c in cells}
         self.switches: list[Switch] = []
+        self.partition = partition or CpuPartition.none()
 
     @classmethod
     def behind_gateway(
@@ -263,10 +274,12 @@ class CellPool:
         loss: dict | None = None,
         clock=time.monotonic,
         cells: list[CellDevices] | None = None,
+        partition: CpuPartition | None = None,
     ) -> CellPool:
         """A campaign's cells on this machine: each spec's engine behind the gateway and, but for the
         core's, a replica process of ``model_dir`` (``threads`` torch threads) started and ready.
-        ``cells``: each spec's devices (its replica takes its cell's GPUs, cores and threads)."""
+        ``cells``: each spec's devices (its replica takes its cell's GPUs, cores, threads and CPU cgroup);
+        ``partition``: those cgroups, read by ``cpu_usage_s``."""
         if sum(s.core for s in specs) != 1:
             raise ValueError(
                 f"a pool needs exactly one core cell; got {[s.cell_id for s in specs if s.core]}"
@@ -288,7 +301,11 @@ class CellPool:
         def sessions() -> dict[str, int]:
             return {e.engine_id: e.sessions for e in admin.gateway_stats().engines}
 
-        return cls(pool, sessions=sessions, on_close=admin.close, clock=clock)
+        return cls(pool, sessions=sessions, on_close=admin.close, clock=clock, partition=partition)
+
+    def cpu_usage_s(self) -> dict[str, float | None]:
+        """CPU seconds each cell's processes used so far, whatever their role ({}: not partitioned)."""
+        return self.partition.usage_s()
 
     def now(self) -> float:
         return self.clock() - self.started

@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 
 from engines.admin import AdminClient
 from engines.devices import CellDevices
+from engines.devices.cpu_quota import CpuPartition
 from engines.train.run import TrainStepReport
 from scheduler.cells import CellPool, CellSpec, Switch
 from scheduler.controller import Controller, Runtime, StepWork
@@ -76,13 +77,18 @@ class Campaign(Runtime, Protocol):
 
 
 def cell_pool(
-    admin: AdminClient, engine_urls: list[str], model_dir: str, cells: list[CellDevices] | None = None
+    admin: AdminClient,
+    engine_urls: list[str],
+    model_dir: str,
+    cells: list[CellDevices] | None = None,
+    partition: CpuPartition | None = None,
 ) -> CellPool:
     """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``;
-    ``cells``: each cell's devices (its replica's GPUs, cores and threads; None: one thread each)."""
+    ``cells``: each cell's devices (its replica's GPUs, cores, threads and CPU cgroup; None: one thread
+    each); ``partition``: the cells' CPU cgroups (tasks/services/stack.py LocalStack.partition)."""
     engines = {e.url: e.engine_id for e in admin.gateway_stats().engines}
     specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
-    return CellPool.behind_gateway(admin, specs, model_dir, threads=1, cells=cells)
+    return CellPool.behind_gateway(admin, specs, model_dir, threads=1, cells=cells, partition=partition)
 
 
 def run_controller(

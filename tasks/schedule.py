@@ -270,7 +270,7 @@ def main() -> int:
     serving = job.serving
     # a running `gyre up` stack may have other engines than this config names: then no cell is placed
     placed = len(services.engine_urls) == serving.engines
-    cells = [serving.engine_cell(i) for i in range(serving.engines)] if placed else None
+    cells = [services.in_cell(serving.engine_cell(i), i) for i in range(serving.engines)] if placed else None
     pool = cell_pool(admin, services.engine_urls, job.policy, cells)
     runtime = CampaignRuntime(
         services,
@@ -283,7 +283,7 @@ def main() -> int:
         max_policy_lag=job.max_policy_lag,
         seed=job.seed,
         problems=job.problems,
-        trainer_cell=serving.trainer_cell() if placed else None,
+        trainer_cell=services.in_cell(serving.trainer_cell(), 0) if placed else None,
     )
     schedule_steps(
         runtime,

@@ -4,13 +4,18 @@ at its start and when asked what it got:
     CUDA_VISIBLE_DEVICES   its cell's GPUs (read by CUDA itself; reported here)
     OMP_NUM_THREADS        its thread budget (torch.set_num_threads)
     GYRE_CPU_CORES         the cores it pins itself to (os.sched_setaffinity), e.g. "0,1"
+    GYRE_CPU_CGROUP        its cell's CPU cgroup folders (os.pathsep between them): it joins them
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
-from engines.devices import CORES_VAR, DevicesReport
+from engines.devices import CGROUP_VAR, CORES_VAR, DevicesReport
+from engines.devices.cpu_quota import join_dirs
+
+log = logging.getLogger(__name__)
 
 
 def enter_cell(env: dict[str, str] | None = None, *, torch_threads: bool = True) -> None:
@@ -20,6 +25,14 @@ def enter_cell(env: dict[str, str] | None = None, *, torch_threads: bool = True)
     process without torch (the vLLM adapter, whose vLLM child reads OMP_NUM_THREADS itself)."""
     if env is not None:
         os.environ.update(env)
+    cgroup = os.environ.get(CGROUP_VAR)
+    if cgroup:  # the cell's CPU quota: this process and all it starts from now on count against it
+        try:
+            join_dirs(cgroup.split(os.pathsep), os.getpid())
+        except OSError as exc:  # the cell's share is not enforced on this process; it still runs
+            log.warning(
+                "could not join the cell's CPU cgroup %s (%s): this process is not in its quota", cgroup, exc
+            )
     cores = os.environ.get(CORES_VAR)
     if cores:
         os.sched_setaffinity(0, {int(core) for core in cores.split(",")})

@@ -13,6 +13,7 @@ the duration of the block.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -22,10 +23,13 @@ import httpx
 from pydantic import BaseModel, Field, SecretStr
 
 from engines.admin import AdminClient
+from engines.devices import CellDevices
 from engines.train.core import default_fast_dir
 from tasks.services.stack import LocalStack, local_stack
 from tasks.services.up import ServingConfig, UpRecord, running_stack
 from trajectory_store.storage import Store, StoreConfig
+
+log = logging.getLogger(__name__)
 
 
 class Services(BaseModel):
@@ -35,6 +39,18 @@ class Services(BaseModel):
     engine_admin_token: SecretStr
     policy_root: str = Field(description="URL of the campaign folder: versions go under policy/v<n>/")
     fast_dir: str = Field(description="in-host folder of published weights (what engines load)")
+    cell_cgroups: list[list[str]] = Field(
+        default_factory=list,
+        description="each cell's CPU cgroup folders (cell i: engine i) when the stack gave its cells their "
+        "CPU share ([serving] partition = 'cgroup'); the cell's other processes (the trainer for cell 0, the "
+        "scheduler's replicas) join them. [] = the cells share the cores",
+    )
+
+    def in_cell(self, cell: CellDevices, index: int) -> CellDevices:
+        """``cell`` (what a process of cell ``index`` gets) in that cell's CPU cgroup, if it has one."""
+        if index < len(self.cell_cgroups):
+            return cell.model_copy(update={"cgroup": self.cell_cgroups[index]})
+        return cell
 
 
 @contextlib.contextmanager
@@ -53,11 +69,18 @@ def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) ->
             engine_admin_token=SecretStr(stack.engine_admin_token),
             policy_root=target.url(target.campaign_dir),
             fast_dir=fast_dir,
+            cell_cgroups=[c.cgroup for c in getattr(stack, "cells", []) if c.cgroup is not None],
         )
 
     try:
         running = running_stack(store.data_root, model, serving.engine)
         if running is not None:
+            if serving.partition == "cgroup":
+                log.warning(
+                    "CELLS SHARE THE CORES: [serving] partition = 'cgroup' applies to a stack the campaign "
+                    "starts itself; the engines `gyre up` runs for %s are not in cell cgroups",
+                    store.data_root,
+                )
             yield services(running)
             return
         cells = [serving.engine_cell(index) for index in range(serving.engines)]

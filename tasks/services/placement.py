@@ -41,5 +41,5 @@ class Colocate:
             serving=[],
             sleeping=list(services.engine_urls),
             trainer_threads=serving.trainer_threads,
-            trainer=serving.trainer_cell(),
+            trainer=serving.trainer_cell(),  # the whole pool trains: in no one cell's CPU quota
         )

@@ -72,6 +72,14 @@ class ServingConfig(BaseModel):
         "one list per engine like devices, e.g. [[0, 1], [2, 3]]; their thread budgets stay engine_threads "
         "and trainer_threads. [] = not pinned",
     )
+    partition: Literal["none", "cgroup"] = Field(
+        "none",
+        description="'cgroup': each cell owns its CPU share as it owns its GPUs: a CPU cgroup per cell whose "
+        "quota is the cell's cores (its cores entry, else the machine's cores over the cells), holding the "
+        "cell's engine, trainer replica and (cell 0) core trainer, so an idle cell's share is lost and a cell "
+        "that switches role takes its share along (engines/devices/cpu_quota.py; needs root and a writable "
+        "cgroup cpu controller, else one warning and the cells share the cores). 'none': cells share the cores",
+    )
     trainer_devices: list[NonNegativeInt] | None = Field(
         None, description="the trainer process's GPUs; None = the core cell's (devices[0])"
     )

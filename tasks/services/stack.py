@@ -5,6 +5,11 @@ the duration of a command; `gyre engine` / `gyre gateway` are the long-running e
 
     with local_stack("./models/tiny", StoreConfig(data_root="./gyre-data")) as stack:
         dispatch(problems, stack.gateway_url, stack.admin_token, stack.store, ...)
+
+With ``partition="cgroup"`` (``[serving] partition``) each engine's cell gets a CPU cgroup with its
+share as quota (engines/devices/cpu_quota.py) for the duration of the block: ``stack.cells`` are the
+cells with their cgroups, for the processes the cell starts later (its replica, the core trainer),
+and ``stack.partition`` reads each cell's CPU use. The gateway belongs to no cell.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Literal
 import httpx
 
 from engines.devices import CellDevices, process_env
+from engines.devices.cpu_quota import CpuPartition, cpu_partition
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
 from tasks.services.serving import engine_process
@@ -41,6 +47,11 @@ class LocalStack:
     """The server processes by URL (the engines' and the gateway's): fault tests kill them."""
     gateway_config: str = ""
     """The gateway's config as JSON (what its stdin got): a fault test starts it again with it."""
+    cells: list[CellDevices] = field(default_factory=list)
+    """Each engine's cell (cell i: engine i), with its CPU cgroup when partitioned: what the cell's
+    other processes (its trainer replica, the core trainer for cell 0) are started with."""
+    partition: CpuPartition = field(default_factory=CpuPartition.none)
+    """The cells' CPU cgroups (``partitioned`` False: none, the cells share the cores)."""
 
 
 @contextlib.contextmanager
@@ -57,24 +68,31 @@ def local_stack(
     engine: Literal["gyre", "vllm"] = "gyre",
     vllm_python: str | None = None,
     serving: ServingConfig | None = None,
+    partition: Literal["none", "cgroup"] | None = None,
 ) -> Iterator[LocalStack]:
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
     its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk.
     ``cells``: what each engine's process gets (its GPUs, threads and cores: ServingConfig.engine_cell),
     one per engine, in place of ``threads``. ``engine``: 'gyre' or 'vllm' (tasks/services/serving.py);
     ``serving``: a campaign's whole [serving] (its engine kind and vLLM options) in place of
-    max_batch_size, dtype, engine and vllm_python."""
+    max_batch_size, dtype, engine and vllm_python. ``partition``: 'cgroup' gives each cell its CPU share
+    as a cgroup quota (None: ``serving``'s, else 'none')."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     env = {**os.environ, **process_env(CellDevices(threads=threads))}
     if cells is not None and len(cells) != engines:
         raise ValueError(f"{len(cells)} cells for {engines} engines: one cell per engine")
+    cells = cells or [CellDevices(threads=threads) for _ in range(engines)]
     with contextlib.ExitStack() as stack:
         engine_urls, processes = [], {}
         serving = serving or ServingConfig(
             max_batch_size=max_batch_size, engine_dtype=dtype, engine=engine, vllm_python=vllm_python
         )
+        quota = CpuPartition.none()
+        if (partition or serving.partition) == "cgroup":  # removed last: after every process stopped
+            quota = stack.enter_context(cpu_partition(f"stack-{secrets.token_hex(4)}", cells))
+            cells = quota.place(cells)
         for index in range(engines):
-            engine_env = {**os.environ, **process_env(cells[index])} if cells is not None else env
+            engine_env = {**os.environ, **process_env(cells[index])}
             port = free_port()
             command, stdin, _ = engine_process(model_dir, serving, port, engine_token)
             url = f"http://127.0.0.1:{port}"
@@ -101,6 +119,8 @@ def local_stack(
             store,
             processes,
             gateway.model_dump_json(),
+            cells,
+            quota,
         )
 
 
