@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,28 +38,39 @@ def test_the_page_documents_the_path_from_a_folder_to_a_campaign():
     assert any(c.startswith("gyre run") and "--policy" in c for c in commands)
 
 
-@pytest.mark.slow
-def test_the_commands_of_the_own_model_page_run_as_documented(tmp_path):
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    bin_dir = str(Path(sys.executable).parent)
+def page_shell(folder: Path) -> Callable[[str], subprocess.CompletedProcess]:
+    """Runs a command with bash in ``folder`` as a user of the installed `gyre` would (this
+    interpreter's bin/ first on PATH, no Prefect settings of the test session)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT)
 
     def run(command: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+            ["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True, timeout=900
         )
 
+    return run
+
+
+def run_documented_commands(page: Path, run: Callable[[str], subprocess.CompletedProcess]) -> None:
+    """Every command of the page's console blocks, in order: each exits 0 and prints what the page shows."""
+    for command, shown in documented_commands(page.read_text()):
+        if command.startswith("gyre run"):
+            command += FREE_PORTS
+        done = run(command)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        for line in shown:
+            for piece in filter(None, (p.strip() for p in line.split("..."))):
+                assert piece in done.stdout, f"{command}: {piece!r} not in\n{done.stdout[-2000:]}"
+
+
+@pytest.mark.slow
+def test_the_commands_of_the_own_model_page_run_as_documented(tmp_path):
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    run = page_shell(tmp_path)
     try:
-        for command, shown in documented_commands(PAGE.read_text()):
-            if command.startswith("gyre run"):
-                command += FREE_PORTS
-            done = run(command)
-            assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-            for line in shown:
-                for piece in filter(None, (p.strip() for p in line.split("..."))):
-                    assert piece in done.stdout, f"{command}: {piece!r} not in\n{done.stdout[-2000:]}"
+        run_documented_commands(PAGE, run)
     finally:
         run("gyre down --config configs/own-model.toml")
     published = tmp_path / "gyre-data" / "campaigns" / "own-model" / "policy" / "v1"

@@ -7,15 +7,12 @@ gets any free ports (--prefect-port 0 ...), so the test never collides with serv
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_docs_own_model import FREE_PORTS, documented_commands
+from tests.test_docs_own_model import documented_commands, page_shell, run_documented_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "own-tasks.md"
@@ -51,24 +48,9 @@ def test_the_commands_of_the_own_tasks_page_run_as_documented(tmp_path):
         (tmp_path / rel).write_text(content)
     (tmp_path / "data").symlink_to(ROOT / "data")
     (tmp_path / "configs").symlink_to(ROOT / "configs")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env["PYTHONPATH"] = str(ROOT)
-
-    def run(command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
-        )
-
+    run = page_shell(tmp_path)
     try:
-        for command, shown in documented_commands(PAGE.read_text()):
-            if command.startswith("gyre run"):
-                command += FREE_PORTS
-            done = run(command)
-            assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-            for line in shown:
-                for piece in filter(None, (p.strip() for p in line.split("..."))):
-                    assert piece in done.stdout, f"{command}: {piece!r} not in\n{done.stdout[-2000:]}"
+        run_documented_commands(PAGE, run)
     finally:
         run("gyre down --config my-tasks.toml")
     # the held-out problem was evaluated, never trained on, and the split is on record
