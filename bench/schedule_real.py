@@ -10,9 +10,12 @@ scheduler/controller.py deciding roles and dispatch every tick. Between policies
 back to rollout and every engine back to version 0.
 
 The cells own their CPU share (``--partition cgroup``, the default; engines/devices/cpu_quota.py): a
-cgroup per cell with the machine's cores over the cells as quota (0.5 core each: 4 cells on 2 cores)
-holds its engine, its replica and, for cell-0, the core trainer, so an idle cell's share is lost as an
-idle GPU is and a cell that switches to training brings its share. Where the machine refuses cgroups
+cgroup per cell with a quota holds its engine, its replica and, for cell-0, the core trainer, so an
+idle cell's share is lost as an idle GPU is and a cell that switches to training brings its share. The
+processes of no cell (the gateway, the dispatcher, every harness and the commands it runs: what a GPU
+host runs on its CPUs, beside its devices) get the host's share, HOST_CORES (1 core), and the four
+cells share the other core (0.25 each): without it they took what the cells left, the machine stayed
+full, and no cell's quota ever bound. Where the machine refuses cgroups
 (not root, no cgroup cpu controller) one warning says so, the cells share the cores, and the figures
 say ``partitioned: false``: an elastic gain cannot show then (an idle cell's CPU already goes to the
 others). Each policy's CPU use per cell (seconds, and cores = seconds over the run's wall time) is
@@ -55,6 +58,7 @@ from sim.presets import Preset
 from tasks.campaign import problems_for, run_missing
 from tasks.schedule import CampaignRuntime
 from tasks.services.campaign import Services, policy_path, serve_version
+from tasks.services.serving import ServingConfig
 from tasks.services.stack import local_stack
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect
@@ -67,6 +71,10 @@ SESSIONS_PER_CELL = 2
 SUITES = ["terminal", "repo", "swe"]
 DURATIONS = DurationProfile(short_turns=3, long_fraction=0.25, long_factor=(3.0, 6.0))
 MAX_TOKENS = 96
+# The host's share when partitioned: the gateway, the dispatcher and every harness with its commands
+# (what runs on a GPU host's CPUs, beside its devices) get 1 core; the 4 cells share the other (0.25
+# core each), so a cell's quota binds and a freed cell's share is lost unless it changes role.
+HOST_CORES = 1.0
 
 # The policies as compared: elastic and async keep two steps in flight (lag <= 1), colocate one.
 # On CPU the training backlog is not estimated (train_backlog_s is 0), so elastic's "does the switch
@@ -116,8 +124,10 @@ class RealBench:
         model: str = POLICY,
         cells: int = CELLS,
         partition: Literal["cgroup", "none"] = "cgroup",
+        host_cores: float = HOST_CORES,
     ):
         self.root, self.model, self.cells, self.partition = root, model, cells, partition
+        self.host_cores = host_cores if partition == "cgroup" else 0.0
         self.store = StoreConfig(data_root=os.path.join(root, "data"))
 
     def __enter__(self) -> RealBench:
@@ -127,9 +137,9 @@ class RealBench:
             self.store,
             engines=self.cells,
             threads=1,
-            dtype="float32",
-            max_batch_size=8,
-            partition=self.partition,
+            serving=ServingConfig(
+                max_batch_size=8, engine_dtype="float32", partition=self.partition, host_cores=self.host_cores
+            ),
         )
         stack = self._stack.__enter__()
         self.stack = stack
@@ -208,18 +218,24 @@ class RealBench:
             make_policy(policy, **params), self.pool, runtime, sessions_per_cell=SESSIONS_PER_CELL
         )
         used_before, window_started = self.pool.cpu_usage_s(), time.perf_counter()
+        host_before = self.stack.partition.host_usage_s()
         try:
             report = run_controller(controller, runtime, work.steps_work())
         finally:
             runtime.close()
         window_s = time.perf_counter() - window_started
         cpu_s = cell_cpu_s(used_before, self.pool.cpu_usage_s())
+        host_after = self.stack.partition.host_usage_s()
+        host_s = None if host_before is None or host_after is None else round(host_after - host_before, 2)
         figures = report.figures()
         figures.update(
             cpu_busy=report.cpu_busy,
             partitioned=self.partitioned,
             cpu_s_by_cell=cpu_s,  # {} when not partitioned
             cpu_cores_by_cell={cell: round(s / window_s, 3) for cell, s in cpu_s.items()},
+            # the processes of no cell (gateway, dispatcher, harnesses and their commands) in the host's cgroup
+            host_cpu_s=host_s,
+            host_cpu_cores=None if host_s is None else round(host_s / window_s, 3),
             policy=label,
             params=params,
             errors=controller.errors,
@@ -396,6 +412,8 @@ def compare(
                 runs_of.setdefault(label, []).append(row)
                 busy = "-" if row["cpu_busy"] is None else f"{row['cpu_busy']:.2f}"
                 cores = " ".join(f"{c:.2f}" for c in row["cpu_cores_by_cell"].values()) or "-"
+                if row["host_cpu_cores"] is not None:
+                    cores += f"  host {row['host_cpu_cores']:.2f}"
                 print(
                     f"real {run_label:<12} makespan {row['makespan_s']:7.1f} s  switches {row['switches']:3d}  "
                     f"train share {row['role_share']['train']:.2f}  cpu busy {busy}  cell cores {cores}  "
@@ -443,6 +461,10 @@ def compare(
             "sessions_per_cell": SESSIONS_PER_CELL,
             "durations": DURATIONS.__dict__,
             "max_tokens": MAX_TOKENS,
+            "host_cores": HOST_CORES if partitioned else None,
+            "cell_cores": round((len(os.sched_getaffinity(0)) - HOST_CORES) / CELLS, 3)
+            if partitioned
+            else None,
         },
         "pool_start_s": round(start_s, 1),
         "partitioned": partitioned,  # every cell in a CPU cgroup with its share as quota

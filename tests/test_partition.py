@@ -10,6 +10,7 @@ scheduling benchmark's stack and cells (bench/schedule_real.py RealBench) partit
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -20,7 +21,14 @@ from pathlib import Path
 import pytest
 
 from engines.devices import CellDevices
-from engines.devices.cpu_quota import TOP, CpuPartition, cell_shares, find_hierarchy, sweep_dead_runs
+from engines.devices.cpu_quota import (
+    TOP,
+    CpuPartition,
+    cell_shares,
+    cpu_partition,
+    find_hierarchy,
+    sweep_dead_runs,
+)
 from tests.campaign_fixtures import tiny_policy
 
 
@@ -149,6 +157,61 @@ def test_the_folders_of_a_run_whose_process_died_are_swept_at_the_next_start():
         assert mine.is_dir()  # a live process's run is kept
     finally:
         mine.rmdir()
+
+
+HOST_PROBE = """
+import json, os, subprocess, sys, time
+from pathlib import Path
+from engines.devices import CellDevices
+from engines.devices.cpu_quota import cpu_partition
+
+def cpu_cgroup():
+    return next(l.split(":", 2)[2] for l in Path("/proc/self/cgroup").read_text().splitlines()
+                if "cpu" in l.split(":")[1].split(",") or l.split(":")[1] == "")
+
+out = {}
+with cpu_partition("hostprobe", [CellDevices(), CellDevices()], host_cores=0.5) as partition:
+    out["quotas"] = {k: c.quota() for k, c in partition.cells.items()}
+    out["host_quota"] = partition.host.quota()
+    out["inside"] = cpu_cgroup()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # born in the host's cgroup
+    time.sleep(0.3)
+    before, started = partition.host_usage_s(), time.monotonic()
+    time.sleep(2.0)
+    out["host_cores_used"] = (partition.host_usage_s() - before) / (time.monotonic() - started)
+    busy.kill()
+    busy.wait()
+out["after"] = cpu_cgroup()
+print(json.dumps(out))
+"""
+
+
+@needs_cgroups
+def test_the_hosts_share_holds_the_process_that_made_it_and_what_it_starts(tmp_path):
+    """host_cores: the process that makes the partition joins a `host` cgroup with that quota, what it
+    starts later is born there and bounded by it, the cells share the rest of the cores, and the
+    process is back in the root once the partition is gone (in a child process: the test's own worker
+    is not throttled)."""
+    result = subprocess.run(
+        [sys.executable, "-c", HOST_PROBE], capture_output=True, text=True, timeout=60, cwd=os.getcwd()
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    total = len(os.sched_getaffinity(0))
+    assert out["quotas"] == {"cell-0": (total - 0.5) / 2, "cell-1": (total - 0.5) / 2}
+    assert out["host_quota"] == 0.5
+    assert out["inside"].endswith("/host") and f"/{TOP}/hostprobe." in out["inside"]
+    assert 0.05 < out["host_cores_used"] <= 0.7, out  # one busy process held to the host's half core
+    assert out["after"] == "/"
+
+
+def test_host_cores_must_leave_the_cells_a_core():
+    cores = float(len(os.sched_getaffinity(0)))
+    with (
+        pytest.raises(ValueError, match="leaves no core to the cells"),
+        cpu_partition("none", [CellDevices()], host_cores=cores),
+    ):
+        pass
 
 
 def test_a_machine_that_refuses_says_so_once_and_the_cells_share_the_cores(caplog):

@@ -14,6 +14,13 @@ they start later) is in the cell's cgroup, so the share follows the cell's role 
     partition.usage_s()                                       # {"cell-0": 12.3, "cell-1": 4.1}
     partition.remove()                                        # its processes to the root, rmdir
 
+The host's share (``host_cores``): on a GPU host the gateway, the dispatcher and every harness with
+the commands it runs use the host's CPUs, not the cells' devices. On CPU they would otherwise take
+whatever the cells leave, so a quota that binds a cell would still leave the machine full and a freed
+cell's share would go to them. With ``host_cores`` the partition also makes a ``host`` cgroup with that
+quota and moves the process that made it there (what it starts later, the gateway and every harness,
+is born there; a cell's processes move to their cell as they start), and the cells share the rest.
+
 Folders: cgroup v1 ``<cpu mount>/gyre/<run>.<pid>/<cell>`` with ``cpu.cfs_period_us`` 100000 and
 ``cpu.cfs_quota_us`` = share x period (and the same folder under the cpuacct mount when cpuacct is a
 hierarchy of its own: the usage is read there, ``cpuacct.usage``); cgroup v2 ``<mount>/gyre/<run>.<pid>/
@@ -169,8 +176,14 @@ class CpuPartition:
     no cells (``partitioned`` False) is what a machine that refuses cgroups gets: every method works
     and does nothing."""
 
-    def __init__(self, run_dirs: list[Path], cells: dict[str, CellCgroup], hierarchy: Hierarchy | None):
-        self.run_dirs, self.cells, self.hierarchy = run_dirs, cells, hierarchy
+    def __init__(
+        self,
+        run_dirs: list[Path],
+        cells: dict[str, CellCgroup],
+        hierarchy: Hierarchy | None,
+        host: CellCgroup | None = None,
+    ):
+        self.run_dirs, self.cells, self.hierarchy, self.host = run_dirs, cells, hierarchy, host
 
     @property
     def partitioned(self) -> bool:
@@ -181,10 +194,13 @@ class CpuPartition:
         return cls([], {}, None)
 
     @classmethod
-    def create(cls, run_id: str, shares: dict[str, float], *, root: str | None = None) -> CpuPartition:
+    def create(
+        cls, run_id: str, shares: dict[str, float], *, root: str | None = None, host_cores: float = 0.0
+    ) -> CpuPartition:
         """A cgroup per cell of ``shares`` (cell id -> its share in cores) under ``gyre/<run_id>.<pid>``;
-        the runs of dead processes are swept first. Where the machine refuses: one warning, and a
-        partition with no cells."""
+        the runs of dead processes are swept first. ``host_cores`` > 0: also a ``host`` cgroup with
+        that quota, which this process joins (see the module docstring). Where the machine refuses:
+        one warning, and a partition with no cells."""
         hierarchy = None
         made: list[Path] = []
         try:
@@ -200,7 +216,14 @@ class CpuPartition:
                 dirs = tuple(_make(run_dir / cell_id, made, hierarchy, leaf=True) for run_dir in run_dirs)
                 cells[cell_id] = CellCgroup(cell_id, dirs, hierarchy)
                 cells[cell_id].set_quota(cores)
-            return cls(run_dirs, cells, hierarchy)
+            host = None
+            if host_cores > 0:
+                host = CellCgroup(
+                    "host", tuple(_make(d / "host", made, hierarchy, leaf=True) for d in run_dirs), hierarchy
+                )
+                host.set_quota(host_cores)
+                host.join(os.getpid())
+            return cls(run_dirs, cells, hierarchy, host)
         except OSError as exc:
             where = str(hierarchy.cpu) if hierarchy else (root or "/sys/fs/cgroup")
             log.warning(
@@ -230,14 +253,18 @@ class CpuPartition:
         """CPU seconds each cell used since it was made ({} when not partitioned)."""
         return {cell_id: cell.usage_s() for cell_id, cell in self.cells.items()}
 
+    def host_usage_s(self) -> float | None:
+        """CPU seconds the host's processes used since the partition was made (None: no host share)."""
+        return None if self.host is None else self.host.usage_s()
+
     def remove(self) -> None:
         """Every cell's cgroup and the run's folder (their processes go to the root first)."""
         if self.hierarchy is None:
             return
-        for cell in self.cells.values():
+        for cell in [*self.cells.values(), *([self.host] if self.host else [])]:
             cell.remove()
         _remove_dirs(self.run_dirs, self.hierarchy)
-        self.cells, self.run_dirs = {}, []
+        self.cells, self.run_dirs, self.host = {}, [], None
 
 
 def _make(folder: Path, made: list[Path], hierarchy: Hierarchy, *, leaf: bool = False) -> Path:
@@ -261,11 +288,19 @@ def cell_shares(cells: list[CellDevices], total: float | None = None) -> list[fl
 
 @contextlib.contextmanager
 def cpu_partition(
-    run_id: str, cells: list[CellDevices], *, root: str | None = None
+    run_id: str, cells: list[CellDevices], *, root: str | None = None, host_cores: float = 0.0
 ) -> Iterator[CpuPartition]:
-    """A partition of ``cells`` (``cell-<i>``, each its `cell_shares`) for the block; removed after."""
-    shares = cell_shares(cells)
-    partition = CpuPartition.create(run_id, {f"cell-{i}": s for i, s in enumerate(shares)}, root=root)
+    """A partition of ``cells`` (``cell-<i>``, each its `cell_shares` of the cores ``host_cores`` leaves)
+    for the block; removed after (this process back in the root when it had joined the host's)."""
+    total = len(os.sched_getaffinity(0)) - host_cores
+    if total <= 0:
+        raise ValueError(
+            f"host_cores {host_cores} leaves no core to the cells ({total + host_cores:g} cores here)"
+        )
+    shares = cell_shares(cells, total)
+    partition = CpuPartition.create(
+        run_id, {f"cell-{i}": s for i, s in enumerate(shares)}, root=root, host_cores=host_cores
+    )
     try:
         yield partition
     finally:

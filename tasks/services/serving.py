@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, NonNegativeInt, model_validator
+from pydantic import BaseModel, Field, NonNegativeFloat, NonNegativeInt, model_validator
 
 from engines.devices import CellDevices
 from engines.rollout.config import EngineConfig, EngineServerConfig
@@ -79,6 +79,13 @@ class ServingConfig(BaseModel):
         "cell's engine, trainer replica and (cell 0) core trainer, so an idle cell's share is lost and a cell "
         "that switches role takes its share along (engines/devices/cpu_quota.py; needs root and a writable "
         "cgroup cpu controller, else one warning and the cells share the cores). 'none': cells share the cores",
+    )
+    host_cores: NonNegativeFloat = Field(
+        0.0,
+        description="with partition = 'cgroup': cores kept for the processes of no cell (the gateway, the "
+        "dispatcher, every harness and the commands it runs, the flow itself), as on a GPU host they use the "
+        "host's CPUs and not the cells' devices. They get a cgroup with this quota and the cells share the rest "
+        "of the cores. 0 = those processes are not confined: they take what the cells leave",
     )
     trainer_devices: list[NonNegativeInt] | None = Field(
         None, description="the trainer process's GPUs; None = the core cell's (devices[0])"

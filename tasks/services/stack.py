@@ -89,7 +89,9 @@ def local_stack(
         )
         quota = CpuPartition.none()
         if (partition or serving.partition) == "cgroup":  # removed last: after every process stopped
-            quota = stack.enter_context(cpu_partition(f"stack-{secrets.token_hex(4)}", cells))
+            quota = stack.enter_context(
+                cpu_partition(f"stack-{secrets.token_hex(4)}", cells, host_cores=serving.host_cores)
+            )
             cells = quota.place(cells)
         for index in range(engines):
             engine_env = {**os.environ, **process_env(cells[index])}
