@@ -40,6 +40,8 @@ import math
 import time
 from collections import deque
 
+import numpy as np
+
 from scheduler.policy import CellState, Decision, Policy, SchedulerState, StepProgress
 from sim.presets import Preset, Workload, sample_workload
 from sim.result import RunResult, lower_bound
@@ -76,6 +78,7 @@ class Simulation:
         self._refresh_engines()
         self.waiting: deque[SimExecution] = deque()
         self.trained_tokens = 0.0
+        self.timed_out = np.zeros((preset.steps, preset.executions_per_step), dtype=bool)
         self.train_rate = preset.train_tokens_per_s
         self.ready_train = 1
         self.execs = [
@@ -139,7 +142,7 @@ class Simulation:
             count += 1
             self._handle(kind, target, gen)
         self._close_accounts()
-        bound = lower_bound(self.p, self.work, depth, self.trained_tokens)
+        bound = lower_bound(self.p, self.work, depth, self.trained_tokens, self.timed_out)
         t = self.tally
         role, busy = t.role_s, t.busy_s
         return RunResult(
@@ -566,6 +569,7 @@ class Simulation:
         t = self.tally
         t.finished += 1
         t.timeouts += timeout
+        self.timed_out[e.step, e.index] = timeout
         t.over_4h += self.now - e.started >= 4 * 3600
         t.last_finish[e.step] = self.now
         share = (e.segment + 0.5) / self.p.segments if timeout else 1.0

@@ -1,5 +1,5 @@
 """The simulator's rollout and training model (sim/run.py): KV capacity in tokens, continuous
-batching, the corrected lower bound, the calibrated paper-flagship, settings of the new fields, and
+batching, the corrected lower bound and its batched work term, the calibrated paper-flagship, settings of the new fields, and
 suites fitted on recorded executions."""
 
 from __future__ import annotations
@@ -78,6 +78,47 @@ def test_the_corrected_bound_counts_timed_out_executions_by_their_share():
     from sim.result import lower_bound
 
     assert result.bound.work_s < lower_bound(short, work, 2).work_s  # full tokens overstate the work
+
+
+def _batch1_work_s(preset, work) -> float:
+    """The work term at batch-1 speed: every execution's batch-1 slot time over the cell's sessions."""
+    slots = float(work.batch1_s.sum()) / preset.engine.sessions_per_cell
+    train = (
+        float(work.train_tokens.sum()) / preset.train_tokens_per_s + preset.steps * preset.trainer.update_s
+    )
+    return (slots + train) / preset.cluster.cells
+
+
+def test_the_bound_batches_decode_and_stays_below_every_policy():
+    """The work term counts what a continuous batch costs (sessions live longer in a fuller batch, a
+    step serves more tokens, the KV cache holds their contexts): never below the batch-1 term, above
+    it where engines are decode-bound, and still below the makespan of every policy."""
+    from sim.result import lower_bound
+
+    flagship = with_settings(PAPER_FLAGSHIP, ["steps=4"])
+    work = sample_workload(flagship)
+    bound = lower_bound(flagship, work, 2)
+    assert bound.work_s >= _batch1_work_s(flagship, work)
+    assert 1 < bound.batch < flagship.engine.sessions_per_cell
+    decode_bound = dataclasses.replace(ONE_ENGINE, steps=2, cluster=Cluster(cells=3, devices_per_cell=8))
+    work = sample_workload(decode_bound)
+    assert lower_bound(decode_bound, work, 2).work_s > 1.2 * _batch1_work_s(decode_bound, work)
+    whole_batches = dataclasses.replace(decode_bound, stream_training=False)
+    for name, preset, policy, depth in [
+        ("colocate", decode_bound, make_policy("colocate"), 1),
+        ("async", decode_bound, make_policy("async", train_cells=1), 2),
+        ("elastic", decode_bound, make_policy("elastic"), 2),
+        ("elastic-sync", decode_bound, make_policy("elastic", depth=1, max_policy_lag=0), 1),
+        (
+            "async-paperlike",
+            whole_batches,
+            PaperAsync(AsyncConfig(train_cells=1), decode_bound.group_size),
+            2,
+        ),
+    ]:
+        result = simulate(preset, policy, name, depth, work)
+        assert result.bound.batch > 1 and result.figures()["bound_batch"] == round(result.bound.batch, 2)
+        assert result.makespan_s >= result.bound.seconds
 
 
 def test_the_calibrated_flagship_reproduces_the_papers_baselines():
