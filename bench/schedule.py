@@ -29,7 +29,8 @@ what was actually trained, and the chain of longest executions the policy's dept
 terms printed. Writes JSON: presets.<name>.policies.<policy> (figures), async_split,
 async_paperlike_split, elastic_over_async, elastic_over_colocate, ...; for paper-flagship the
 headline paper.{colocate_h, async_paperlike_h, async_tuned_h, elastic_h, speedup_vs_async_paperlike,
-speedup_vs_colocate, speedup_vs_async_tuned, over_lower_bound, bound_work_h, bound_chain_h, seeds,
+speedup_vs_colocate, speedup_vs_async_tuned, over_lower_bound, bound_work_h, bound_chain_h,
+bound_batch (the decode batch the work term settled on), seeds,
 vs_seeds}; real.{...}, sim_vs_real_error, switch_s (the real runs). `--sim-only` writes no real
 rows, so the paper figures go to bench/results/schedule-paper.json (schedule.json keeps the last
 full run's real rows).
@@ -54,7 +55,7 @@ DEFAULT_OUT = "bench/results/schedule.json"
 QUICK_STEPS = {"paper-flagship": 4, "cpu-small": 12, "cpu-small-tail": 12}
 HEADER = (
     f"{'policy':<16}{'makespan':>12}{'idle train':>12}{'idle roll':>11}{'switches':>10}{'bound':>12}"
-    f"{'work':>11}{'chain':>11}{'/bound':>8}{'vs coloc':>10}{'vs async':>10}"
+    f"{'work':>11}{'batch':>7}{'chain':>11}{'/bound':>8}{'vs coloc':>10}{'vs async':>10}"
 )
 # The QwenGyre paper's flagship figures (48 steps, equal GPU budgets): what paper-flagship is
 # calibrated to (colocate, async) and what it predicts (elastic).
@@ -138,7 +139,7 @@ def print_preset(name: str, figures: dict) -> None:
         print(
             f"{row['policy']:<16}{_hours_or_s(row['makespan_s']):>12}{row['idle_train']:>12.3f}"
             f"{row['idle_rollout']:>11.3f}{row['switches']:>10}{_hours_or_s(row['lower_bound_s']):>12}"
-            f"{_hours_or_s(row['bound_work_s']):>11}{_hours_or_s(row['bound_chain_s']):>11}"
+            f"{_hours_or_s(row['bound_work_s']):>11}{row['bound_batch']:>7.2f}{_hours_or_s(row['bound_chain_s']):>11}"
             f"{row['over_lower_bound']:>8.3f}{policies['colocate']['makespan_s'] / row['makespan_s']:>9.2f}x"
             f"{policies['async']['makespan_s'] / row['makespan_s']:>9.2f}x"
         )
@@ -205,6 +206,7 @@ def paper_figures(flagship: dict) -> dict:
         "over_lower_bound": elastic["over_lower_bound"],
         "bound_work_h": round(elastic["bound_work_s"] / 3600, 2),
         "bound_chain_h": round(elastic["bound_chain_s"] / 3600, 2),
+        "bound_batch": elastic["bound_batch"],
         "async_split": flagship["async_split"],
         "async_paperlike_split": flagship["async_paperlike_split"],
         "seeds": {
@@ -234,7 +236,8 @@ def print_paper(paper: dict) -> None:
         f"elastic {paper['speedup_vs_async_paperlike']:.3f}x paper-like async (paper {seeds['speedup_vs_async']:.3f}x), "
         f"{paper['speedup_vs_colocate']:.3f}x colocate (paper {seeds['speedup_vs_colocate']:.3f}x), "
         f"{paper['speedup_vs_async_tuned']:.3f}x tuned async; {paper['over_lower_bound']:.3f}x its lower bound "
-        f"(work {paper['bound_work_h']:.1f} h, chain {paper['bound_chain_h']:.1f} h)"
+        f"(work {paper['bound_work_h']:.1f} h at decode batch {paper['bound_batch']:.2f}, chain "
+        f"{paper['bound_chain_h']:.1f} h)"
     )
 
 

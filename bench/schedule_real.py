@@ -332,6 +332,7 @@ class RealBench:
             to_train_s=float(np.median(figures["switch_to_train_s"] or [0.0])),
             to_rollout_s=float(np.median(figures["switch_to_rollout_s"] or [0.0])),
             cpu_busy=figures["cpu_busy"],
+            partitioned=figures["partitioned"],
         )
 
 

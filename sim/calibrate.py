@@ -5,7 +5,8 @@ took, the tokens each call decoded, its context, and the time between calls (too
 grading). `measured_workload` turns those rows into the simulator's `Workload`, so the simulator
 schedules exactly the executions the real run had; only the machine is modelled.
 
-`calibrate` fits the machine on ONE real run (colocate, on problems of its own seed): decode
+`calibrate` fits the machine on ONE real run (colocate, on problems of its own seed; its cells share
+the cores, or each owns its share when the run was partitioned): decode
 latency per token is found by bisection so that the simulated makespan equals the measured one,
 the per-step update (optimizer, checkpoint, publication, engine swap) comes from the measured
 steps, and the switch costs are the measured medians. The calibrated preset then predicts the
@@ -56,6 +57,7 @@ class MeasuredRun:
     to_train_s: float
     to_rollout_s: float
     cpu_busy: float | None = None  # share of the cores' time spent busy during the run (/proc/stat)
+    partitioned: bool = False  # every cell owned its CPU share (a cgroup quota): cells do not share cores
 
 
 def save_measured(runs: dict[str, list[MeasuredRun]], path: str) -> None:
@@ -112,9 +114,11 @@ def machine(
     to_train_s: float,
     to_rollout_s: float,
     train_tokens_per_s: float,
+    shared_cores: float | None = SHARED_CORES,
 ) -> Preset:
-    """This machine's cells: one torch thread each on 2 shared cores; decode `latency_s` per token
-    at batch 1 (batch adds a fifth of it per sequence), training `train_tokens_per_s` per cell."""
+    """This machine's cells: one torch thread each on 2 shared cores (``shared_cores`` None: each cell
+    owns its share, partitioned); decode `latency_s` per token at batch 1 (batch adds a fifth of it per
+    sequence), training `train_tokens_per_s` per cell."""
     return Preset(
         name="cpu-measured",
         steps=1,
@@ -123,7 +127,7 @@ def machine(
         suites=(Suite("measured", 1.0, 1, 0.0, 1, 0, 0.0, 0.0),),  # unused: workloads are measured
         deadline_s=10_000,
         segments=SEGMENTS,
-        cluster=Cluster(cells=cells, devices_per_cell=1, shared_cores=SHARED_CORES),
+        cluster=Cluster(cells=cells, devices_per_cell=1, shared_cores=shared_cores),
         engine=EngineModel(
             sessions_per_cell=sessions_per_cell,
             latency_fixed_s=latency_s,
@@ -166,13 +170,17 @@ def calibrate(run: MeasuredRun, policy: Policy, cells: int, sessions_per_cell: i
     update_s, cost = fit_training(
         tokens, [post - run.to_train_s - run.to_rollout_s for post in run.post_rollout_s]
     )
-    per_cell = 1e9 if cost == 0.0 else 1.0 / (cost * cells * min(1.0, SHARED_CORES / cells))
+    shared = None if run.partitioned else SHARED_CORES
+    per_cell = 1e9 if cost == 0.0 else 1.0 / (cost * cells * min(1.0, (shared or cells) / cells))
     work = measured_workload(run)
 
-    def makespan(latency_s: float) -> float:
-        base = machine(
-            cells, sessions_per_cell, latency_s, update_s, run.to_train_s, run.to_rollout_s, per_cell
+    def fitted(latency_s: float) -> Preset:
+        return machine(
+            cells, sessions_per_cell, latency_s, update_s, run.to_train_s, run.to_rollout_s, per_cell, shared
         )
+
+    def makespan(latency_s: float) -> float:
+        base = fitted(latency_s)
         return simulate(preset_for(base, run), policy, "calibration", 1, work).makespan_s
 
     low, high = 1e-5, 1.0
@@ -182,8 +190,7 @@ def calibrate(run: MeasuredRun, policy: Policy, cells: int, sessions_per_cell: i
             low = middle
         else:
             high = middle
-    latency = float(np.sqrt(low * high))
-    return machine(cells, sessions_per_cell, latency, update_s, run.to_train_s, run.to_rollout_s, per_cell)
+    return fitted(float(np.sqrt(low * high)))
 
 
 def predict(base: Preset, run: MeasuredRun, policy: Policy, depth: int) -> float:
