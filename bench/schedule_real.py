@@ -4,7 +4,10 @@
 
 One serving stack (an engine per cell, one torch thread each, the gateway) and one `CellPool` (a
 replica process per non-core cell) serve every policy in turn; each policy runs the same steps of
-the same problems (heavy-tailed executions: a quarter of them run 3-6 times the turns of the rest)
+the same problems with the same work (heavy-tailed executions: a quarter of them run 3-6 times the
+turns of the rest, the same quarter for every policy, and the same sampling seeds:
+`DispatchConfig.same_work_across_runs`; before 2026-12-05 the run id keyed both, so each policy drew
+its own long executions)
 as its own campaign in one data root, starting from the shipped warm start, with the controller of
 scheduler/controller.py deciding roles and dispatch every tick. Between policies every cell goes
 back to rollout and every engine back to version 0.
@@ -108,6 +111,7 @@ def dispatch_config(group_size: int, run_id: str) -> DispatchConfig:
     return DispatchConfig(
         group_size=group_size,
         run_id=run_id,  # one gateway serves every policy: execution ids must differ between them
+        same_work_across_runs=True,  # ...but not their work: the same long executions, the same seeds
         concurrency=1,  # the controller starts each execution itself
         timeout_s=120,
         durations=DURATIONS,

@@ -82,6 +82,11 @@ class DispatchConfig:
     """Start the built-in harness by forking a process that imported it once (environments/zygote.py):
     the same process, session and environment as ``python -m environments.harness``, without its
     ~1.2 s of CPU for imports per execution. False: a fresh interpreter per execution."""
+    same_work_across_runs: bool = False
+    """Key each execution's turn budget (``durations``) and sampling seed by its step, problem and
+    member alone, not by ``run_id``: runs that differ only in run_id (policies compared on one
+    gateway, bench/schedule_real.py) get the same work, the same long executions and the same
+    samples from the same weights. False: the execution id, run_id included, keys both."""
     snapshot_completed: bool = False
     """Also store the final workspace of every completed execution (source 'final' in the snapshots
     dataset), so `gyre sql` can compare it with timed-out ones; timeouts are always snapshotted."""

@@ -149,7 +149,8 @@ class ExecutionRunner:
         started = time.monotonic()
         execution_id, registration = await self._register(admin, problem, member, group_id)
         outcome = ExecutionOutcome(execution_id, problem.problem_id, group_id, "error", 0.0, "placeholder")
-        outcome.member_id = execution_id_for(config.step, problem, member, config.run_id)
+        run_id = None if config.same_work_across_runs else config.run_id
+        outcome.member_id = execution_id_for(config.step, problem, member, run_id)
         try:
             await self._execute(problem, execution_id, registration, outcome)
         except Exception as exc:  # one execution's failure never stops the batch: it is recorded
@@ -344,7 +345,10 @@ class ExecutionRunner:
             harness = config.harness
             turns = config.durations.turns(outcome.member_id or execution_id)
             outcome.turn_budget = turns
-            seed = int(hashlib.md5(execution_id.encode()).hexdigest()[:8], 16)
+            seed_key = (
+                outcome.member_id if config.same_work_across_runs and outcome.member_id else execution_id
+            )
+            seed = int(hashlib.md5(seed_key.encode()).hexdigest()[:8], 16)
             fields = {**asdict(harness), "max_turns": turns, "seed": seed}
             argv = [
                 sys.executable, "-m", "environments.harness",

@@ -97,3 +97,21 @@ def test_saved_runs_load_as_they_were(tmp_path):
     runs = {"calibration": [_run(5, 70.0)], "elastic": [_run(6, 60.0), _run(7, 61.0)]}
     save_measured(runs, str(tmp_path / "measured.json"))
     assert load_measured(str(tmp_path / "measured.json")) == runs
+
+
+def test_a_partitioned_run_calibrates_cells_that_own_their_cores():
+    """Cells with a CPU quota each do not share the machine's cores: the fitted machine has no shared
+    cores, still reproduces its run, and an old file (no `partitioned`) reads as shared."""
+    shared_run = _run(5, 80.0)
+    owned_run = dataclasses.replace(shared_run, partitioned=True)
+    colocate = make_policy("colocate")
+    shared = calibrate(shared_run, colocate, cells=4, sessions_per_cell=2)
+    owned = calibrate(owned_run, colocate, cells=4, sessions_per_cell=2)
+    assert shared.cluster.shared_cores == 2 and owned.cluster.shared_cores is None
+    assert predict(owned, owned_run, colocate, 1) == pytest.approx(80.0, rel=0.01)
+    # on 2 shared cores 4 busy cells run at half speed, so the same run fits a faster engine there
+    assert shared.engine.latency_fixed_s < owned.engine.latency_fixed_s
+    assert (
+        MeasuredRun(**{**dataclasses.asdict(shared_run), "executions": shared_run.executions}).partitioned
+        is False
+    )

@@ -338,3 +338,31 @@ def test_an_external_harness_is_recorded_by_its_program():
     script = "cd {workspace} && MSWEA_CONFIGURED=1 LITELLM_LOCAL_MODEL_COST_MAP=True /tmp/msa/bin/mini -m x"
     assert harness_name(["bash", "-c", script]) == "mini"
     assert harness_name(["sh", "-c", "cd /w; export X=1; exec ./run.sh"]) == "run.sh"
+
+
+def test_runs_that_differ_only_in_run_id_get_the_same_work_when_asked(tmp_path):
+    """same_work_across_runs keys the turn budgets by step, problem and member, so two policies
+    compared on one gateway (different run ids) get the same long executions; by default the run id
+    is part of the key and the draws differ."""
+
+    def policy(text: str) -> str:
+        return tool_call("finish", summary="done")
+
+    durations = DurationProfile(short_turns=2, long_fraction=0.5, long_factor=(3.0, 6.0))
+    budgets = {}
+    with scripted_stack(str(tmp_path), policy) as stack:
+        for same in (True, False):
+            for run_id in ("colocate", "elastic"):
+                outcomes = _dispatch(
+                    stack,
+                    [two_file_problem("work")],
+                    tmp_path / f"{same}-{run_id}",
+                    group_size=8,
+                    run_id=f"{run_id}-{same}",
+                    durations=durations,
+                    same_work_across_runs=same,
+                )
+                budgets[same, run_id] = [o.turn_budget for o in outcomes]
+    assert budgets[True, "colocate"] == budgets[True, "elastic"]
+    assert len(set(budgets[True, "colocate"])) > 1  # some long, some short: a real draw
+    assert budgets[False, "colocate"] != budgets[False, "elastic"]
