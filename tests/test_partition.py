@@ -234,26 +234,35 @@ def test_a_cells_share_is_its_cores_or_the_machines_cores_over_the_cells():
 @pytest.mark.slow
 def test_the_real_benchmarks_cells_own_their_share(tmp_path):
     """bench/schedule_real.py's stack and pool, partitioned: each cell's engine and replica in its
-    cell's cgroup (the core cell: its engine, and the core trainer's cell is its), usage read per cell,
-    and the folders gone once the bench ends."""
-    from bench.schedule_real import RealBench, cell_cpu_s
+    cell's cgroup (the core cell: its engine, and the core trainer's cell is its), the gateway and this
+    process in the host's (HOST_CORES; the cells share the rest), usage read per cell, and the folders
+    gone (this process back in the root) once the bench ends."""
+    from bench.schedule_real import HOST_CORES, RealBench, cell_cpu_s
 
     policy = tiny_policy(tmp_path / "policy")
     with RealBench(str(tmp_path / "bench"), model=policy, cells=2) as bench:
         assert bench.partitioned
         partition = bench.stack.partition
         folders = [d for cell in partition.cells.values() for d in cell.dirs]
+        assert partition.host is not None and partition.host.quota() == HOST_CORES
+        folders += list(partition.host.dirs)
+        gateway = bench.stack.processes[bench.stack.gateway_url].pid
+        assert _cgroup_of(gateway).endswith("/host") and _cgroup_of(os.getpid()).endswith("/host")
         engines = [bench.stack.processes[url].pid for url in bench.stack.engine_urls]
         replica = bench.pool.cells["cell-1"].replica.process.pid  # type: ignore[union-attr]
         for cell_id, pids in (("cell-0", [engines[0]]), ("cell-1", [engines[1], replica])):
             assert sorted(partition.cells[cell_id].pids()) == sorted(pids)
             assert all(_cgroup_of(pid).endswith(f"/{cell_id}") for pid in pids)
-            assert partition.cells[cell_id].quota() == pytest.approx(len(os.sched_getaffinity(0)) / 2)
+            assert partition.cells[cell_id].quota() == pytest.approx(
+                (len(os.sched_getaffinity(0)) - HOST_CORES) / 2
+            )
         assert bench.core_cell().cgroup == [str(d) for d in partition.cells["cell-0"].dirs]
         used = bench.pool.cpu_usage_s()
         assert set(used) == {"cell-0", "cell-1"} and all(s and s > 0 for s in used.values())  # loading
         assert cell_cpu_s(used, bench.pool.cpu_usage_s()).keys() == used.keys()
+        assert partition.host_usage_s() > 0  # the gateway's start
     assert not any(folder.exists() for folder in folders)
+    assert _cgroup_of(os.getpid()) == "/"
 
 
 def test_a_cells_processes_are_started_with_its_cgroup_and_a_campaigns_services_carry_them():
