@@ -366,3 +366,26 @@ def test_runs_that_differ_only_in_run_id_get_the_same_work_when_asked(tmp_path):
     assert budgets[True, "colocate"] == budgets[True, "elastic"]
     assert len(set(budgets[True, "colocate"])) > 1  # some long, some short: a real draw
     assert budgets[False, "colocate"] != budgets[False, "elastic"]
+
+
+def test_gyre_sim_fits_its_suites_on_a_real_stores_executions(tmp_path):
+    """`gyre sim --suites-from CAMPAIGN` (cli/schedule.py recorded_suites) reads the executions and
+    calls a dispatch recorded and fits one suite per harness: a three-call execution, three turns."""
+    from cli.schedule import recorded_suites
+
+    script = [
+        tool_call("write_file", path="a.txt", content="alpha\n"),
+        tool_call("run", command="sleep 0.2; echo beta > b.txt"),
+        tool_call("finish", summary="both written"),
+    ]
+
+    def policy(text: str) -> str:
+        return script[min(turns(text), len(script) - 1)]
+
+    with scripted_stack(str(tmp_path), policy) as stack:
+        _dispatch(stack, [two_file_problem("fit")], tmp_path, group_size=2)
+        store = stack.store_config
+    (suite,) = recorded_suites(store.data_root, store.campaign)
+    assert suite.weight == 1.0 and suite.turns_median == pytest.approx(3.0) and suite.turns_sigma == 0.0
+    assert suite.output_tokens_per_turn > 0 and suite.context_tokens_per_turn > 0  # tool results
+    assert suite.gap_median_s > 0.0  # between calls: the tools ran (one of them sleeps 0.2 s)
