@@ -79,7 +79,8 @@ class ExecutionOutcome:
     grade: dict[str, Any] | None = None
     error: str | None = None
     member_id: str | None = None
-    """The id of the member's first attempt (execution_id_for with attempt 0): seeds its turn budget."""
+    """The id of the member's first attempt (execution_id_for with attempt 0; without the run id when
+    ``same_work_across_runs``): keys its turn budget (and, with that option, its sampling seed)."""
 
 
 SHELL_PREFIXES = {"cd", "export", "env", "exec", "time", "nice", "nohup", "&&", ";", "||"}
@@ -345,9 +346,7 @@ class ExecutionRunner:
             harness = config.harness
             turns = config.durations.turns(outcome.member_id or execution_id)
             outcome.turn_budget = turns
-            seed_key = (
-                outcome.member_id if config.same_work_across_runs and outcome.member_id else execution_id
-            )
+            seed_key = (outcome.member_id if config.same_work_across_runs else None) or execution_id
             seed = int(hashlib.md5(seed_key.encode()).hexdigest()[:8], 16)
             fields = {**asdict(harness), "max_turns": turns, "seed": seed}
             argv = [
