@@ -7,7 +7,7 @@ paper scale and for real on this machine's CPU, in one invocation.
     python -m bench.schedule [--quick] [--sim-only] [--preset NAME] [--out bench/results/schedule.json]
 
 The real part (bench/schedule_real.py): the three policies on the same problems and the same four
-cells, then the simulator calibrated on a colocate run of other problems predicting each real
+cells, then the simulator calibrated on a colocate and an async run of other problems predicting each real
 makespan (sim_vs_real_error).
 
 Every policy runs on the SAME sampled work (one seed per preset) and the same cells

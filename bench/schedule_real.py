@@ -337,6 +337,11 @@ class RealBench:
             to_rollout_s=float(np.median(figures["switch_to_rollout_s"] or [0.0])),
             cpu_busy=figures["cpu_busy"],
             partitioned=figures["partitioned"],
+            # the core's own compute (its step's compute less its waits for arrivals): the training rate
+            core_compute_s=[
+                max(0.0, s["metrics"].get("compute_s", 0.0) - s["metrics"].get("core_wait_s", 0.0))
+                for s in figures["steps"]
+            ],
         )
 
 
@@ -349,17 +354,30 @@ def cell_cpu_s(before: dict[str, float | None], after: dict[str, float | None]) 
     }
 
 
-CALIBRATION_SEED = 8000  # the calibration run's problems; the compared runs use RealWork.seed
+CALIBRATION_SEED = 8000  # the calibration runs' problems; the compared runs use RealWork.seed
+# The calibration's second run, async on the calibration problems: the update of a streaming step and
+# the decode latency while training streams beside rollout (colocate's run: what its switches cost)
+CALIBRATION_STREAMING = "calibration-async"
 
 
 ROUNDS = 2  # every policy runs this many times, in turn (quick: once): the machine's noise, measured
 
 
 def sim_check(measured: dict[str, list[MeasuredRun]]) -> tuple[Preset, dict[str, dict[str, Any]]]:
-    """The simulator calibrated on the `calibration` run predicting every run of every policy: the
+    """The simulator calibrated on the calibration runs (colocate and, where the file has it, async,
+    on problems no compared run has; never elastic) predicting every run of every policy: the
     calibrated machine, and per policy the mean real and simulated makespans and the worst round's
-    error (`python -m bench.schedule_real --measured FILE` does it again on saved runs)."""
-    machine = calibrate(measured["calibration"][0], make_policy("colocate"), CELLS, SESSIONS_PER_CELL)
+    error (`python -m bench.schedule_real --measured FILE` does it again on saved runs; a file from
+    before 2026-12-05 has only the colocate calibration run, and calibrates on it alone)."""
+    policy, params = POLICIES["async"]
+    streaming = (
+        (measured[CALIBRATION_STREAMING][0], make_policy(policy, **params), 2)
+        if CALIBRATION_STREAMING in measured
+        else None
+    )
+    machine = calibrate(
+        measured["calibration"][0], make_policy("colocate"), CELLS, SESSIONS_PER_CELL, streaming=streaming
+    )
     sim_vs_real = {}
     for label, (policy, params) in POLICIES.items():
         spans = [run.makespan_s for run in measured[label]]
@@ -382,6 +400,63 @@ def sim_check(measured: dict[str, list[MeasuredRun]]) -> tuple[Preset, dict[str,
     return machine, sim_vs_real
 
 
+# The what-if's training rates, as shares of the rate the calibration measured
+WHAT_IF_RATES = (1.0, 0.8, 0.7, 0.6, 0.5, 0.25)
+
+
+def what_if(
+    machine: Preset, measured: dict[str, list[MeasuredRun]], tokens_per_s: list[float]
+) -> list[dict[str, Any]]:
+    """Where elastic would win on this machine: the calibrated simulator (`machine`) on the elastic
+    runs' own executions, every execution trained in full (as if every group had a signal: its
+    unique tokens, its last context plus its last completion) at ``tokens_per_s`` per train cell,
+    against the best static async split (1, 2 or 3 train cells) and colocate. A prediction, not a
+    measurement: the real runs train one group of eight a step (the others carry no signal), which
+    the core trains beside rollout in a few seconds, so a streaming async leaves elastic nothing."""
+    policy, params = POLICIES["elastic"]
+    rows = []
+    for rate in tokens_per_s:
+        heavy = dataclasses.replace(machine, trainer=dataclasses.replace(machine.trainer, tokens_per_s=rate))
+        spans: dict[str, list[float]] = {}
+        for run in measured["elastic"]:
+            full = dataclasses.replace(
+                run,
+                executions=[
+                    [
+                        dataclasses.replace(
+                            e, trained_tokens=float(e.context_tokens[-1] + e.output_tokens[-1])
+                        )
+                        for e in row
+                    ]
+                    for row in run.executions
+                ],
+            )
+            spans.setdefault("colocate", []).append(predict(heavy, full, make_policy("colocate"), 1))
+            for split in (1, 2, 3):
+                asynchronous = make_policy("async", train_cells=split, max_policy_lag=1)
+                spans.setdefault(f"async-{split}", []).append(predict(heavy, full, asynchronous, 2))
+            spans.setdefault("elastic", []).append(predict(heavy, full, make_policy(policy, **params), 2))
+            trained = float(np.mean([sum(e.trained_tokens for e in row) for row in full.executions]))
+        mean = {label: float(np.mean(values)) for label, values in spans.items()}
+        best = min((label for label in mean if label.startswith("async")), key=mean.__getitem__)
+        row = {
+            "train_tokens_per_s": rate,
+            "trained_tokens_per_step": round(trained),
+            "one_cell_train_s_per_step": round(trained / rate, 1),
+            "makespan_s": {label: round(value, 1) for label, value in mean.items()},
+            "best_async": best,
+            "speedup_vs_async": round(mean[best] / mean["elastic"], 4),
+            "speedup_vs_colocate": round(mean["colocate"] / mean["elastic"], 4),
+        }
+        print(
+            f"what-if {rate:7.1f} tokens/s a cell ({row['one_cell_train_s_per_step']:6.1f} s a step on one cell): "
+            + "  ".join(f"{label} {value:6.1f}" for label, value in row["makespan_s"].items())
+            + f"  elastic {row['speedup_vs_async']:.3f}x {best}, {row['speedup_vs_colocate']:.3f}x colocate"
+        )
+        rows.append(row)
+    return rows
+
+
 def compare(
     quick: bool = False,
     root: str | None = None,
@@ -390,7 +465,7 @@ def compare(
     partition: Literal["cgroup", "none"] = "cgroup",
 ) -> dict[str, Any]:
     """Every policy of POLICIES on the same work and cells, `rounds` times in turn (colocate, async,
-    elastic, colocate, ...), then the simulator calibrated on a colocate run of other problems
+    elastic, colocate, ...), then the simulator calibrated on a colocate and an async run of other problems
     predicting each run: the `real` section of schedule.json. A policy's makespan is the mean over
     its rounds (`makespan_rounds_s` has each); its other figures are its first round's.
     `measured_out`: also write every run's executions there (JSON, `sim.calibrate.save_measured`),
@@ -405,7 +480,10 @@ def compare(
     try:
         with RealBench(root, partition=partition) as bench:
             partitioned = bench.partitioned
-            runs = [("calibration", "calibration", "colocate", {}, calibration_work)]
+            runs = [
+                ("calibration", "calibration", "colocate", {}, calibration_work),
+                (CALIBRATION_STREAMING, CALIBRATION_STREAMING, *POLICIES["async"], calibration_work),
+            ]
             runs += [
                 (label, label if r == 0 else f"{label}-r{r}", policy, params, work)
                 for r in range(rounds)
@@ -440,7 +518,10 @@ def compare(
     if measured_out:
         save_measured(measured, measured_out)
     calibration = runs_of.pop("calibration")[0]
+    calibration_streaming = runs_of.pop(CALIBRATION_STREAMING)[0]
     machine, sim_vs_real = sim_check(measured)
+    rate = machine.trainer.tokens_per_s
+    heavier = what_if(machine, measured, [round(rate * share, 1) for share in WHAT_IF_RATES])
     rows: dict[str, dict[str, Any]] = {}
     for label in POLICIES:
         spans = [row["makespan_s"] for row in runs_of[label]]
@@ -510,6 +591,7 @@ def compare(
         },
         "calibration": {
             "makespan_s": calibration["makespan_s"],
+            "streaming_makespan_s": calibration_streaming["makespan_s"],
             "latency_s_per_token": round(machine.engine.latency_fixed_s, 5),
             "update_s": round(machine.trainer.update_s, 2),
             "train_tokens_per_s": round(machine.trainer.tokens_per_s, 1),  # per cell, cores not shared
@@ -518,6 +600,8 @@ def compare(
         },
         "sim_vs_real": sim_vs_real,
         "sim_vs_real_error": max(v["error"] for v in sim_vs_real.values()),
+        # the calibrated simulator with every execution trained, at shares of the measured rate
+        "what_if_every_group_trained": heavier,
     }
 
 
@@ -538,7 +622,22 @@ def main() -> int:
     parser.add_argument(
         "--measured", default=None, help="no runs: check the simulator against the runs saved in this file"
     )
+    parser.add_argument(
+        "--what-if",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="TOKENS_PER_S",
+        help="with --measured: predict every policy with every execution trained, at these tokens/s a train cell",
+    )
     args = parser.parse_args()
+    if args.what_if and not args.measured:
+        parser.error("--what-if needs --measured FILE (the runs it predicts)")
+    if args.what_if:
+        measured = load_measured(args.measured)
+        machine, _ = sim_check(measured)
+        print(json.dumps(what_if(machine, measured, args.what_if), indent=1))
+        return 0
     if args.measured:
         machine, checked = sim_check(load_measured(args.measured))
         fitted = {

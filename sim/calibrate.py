@@ -5,14 +5,22 @@ took, the tokens each call decoded, its context, and the time between calls (too
 grading). `measured_workload` turns those rows into the simulator's `Workload`, so the simulator
 schedules exactly the executions the real run had; only the machine is modelled.
 
-`calibrate` fits the machine on ONE real run (colocate, on problems of its own seed; its cells share
+`calibrate` fits the machine on one real run (colocate, on problems of its own seed; its cells share
 the cores, or each owns its share when the run was partitioned): decode
 latency per token is found by bisection so that the simulated makespan equals the measured one,
 the per-step update (optimizer, checkpoint, publication, engine swap) comes from the measured
 steps, and the switch costs are the measured medians. The calibrated preset then predicts the
 makespan of the other runs (every policy, on other problems) without seeing them.
 
-    preset = calibrate(calibration_run, cells=4, sessions_per_cell=2)
+With a second run on the same problems under a streaming policy (async), the update comes from
+that run's steps (what a step costs after its last execution when training streamed beside
+rollout), colocate's steps give what their switches cost until the cells are productive, and the
+decode latency is fitted on the streaming run (bench/schedule_real.py does this since 2026-12-05:
+one colocate run's update, 7.9 s a step, had been charged to every policy's steps, where a
+streaming step spends 2-4 s).
+
+    preset = calibrate(calibration_run, colocate, cells=4, sessions_per_cell=2)
+    preset = calibrate(calibration_run, colocate, 4, 2, streaming=(async_run, async_policy, 2))
     predicted = simulate(preset_for(preset, run), make_policy("elastic", ...), "elastic", 2, run.workload)
 """
 
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,6 +66,9 @@ class MeasuredRun:
     to_rollout_s: float
     cpu_busy: float | None = None  # share of the cores' time spent busy during the run (/proc/stat)
     partitioned: bool = False  # every cell owned its CPU share (a cgroup quota): cells do not share cores
+    core_compute_s: list[float] = field(default_factory=list)
+    """Per step, the seconds the core trainer spent computing micro-batches (its step's compute less
+    its waits for arrivals); empty in files from before 2026-12-05."""
 
 
 def save_measured(runs: dict[str, list[MeasuredRun]], path: str) -> None:
@@ -159,34 +170,67 @@ def fit_training(tokens: list[float], seconds: list[float]) -> tuple[float, floa
     return update_s, cost
 
 
-def calibrate(run: MeasuredRun, policy: Policy, cells: int, sessions_per_cell: int) -> Preset:
+def calibrate(
+    run: MeasuredRun,
+    policy: Policy,
+    cells: int,
+    sessions_per_cell: int,
+    streaming: tuple[MeasuredRun, Policy, int] | None = None,
+) -> Preset:
     """The machine fitted to one real run under `policy` (colocate: its steps show the update).
 
     The update and the training rate come from what each colocate step spends after its last
     execution ends, less the switches (`fit_training`; the simulator trains the step's tokens on
     every cell, at the shared cores' speed). The decode latency is bisected so that the simulated
-    makespan of `run` equals the measured one."""
+    makespan of `run` equals the measured one.
+
+    ``streaming``: a second run on the same problems, (run, its policy, its depth), under a policy
+    that streams training beside rollout (async). Then:
+    - the training rate is what its core measured (trained tokens over `core_compute_s`; a fit on
+      three colocate steps of alike token counts is mostly their noise);
+    - the update is the median time from a step's last execution to its published version, less
+      one group's tokens (the last micro-batch; then the optimizer and the publication);
+    - what colocate's steps spend beyond their training and that update becomes colocate's switch to
+      train: the time until the switched cells are productive (pulling the weights, building the
+      model), where the control plane's switch takes a few hundredths of a second;
+    - the decode latency is bisected on the streaming run, whose rollout overlaps training as the
+      compared streaming policies' does."""
     tokens = [sum(e.trained_tokens for e in step) for step in run.executions]
     update_s, cost = fit_training(
         tokens, [post - run.to_train_s - run.to_rollout_s for post in run.post_rollout_s]
     )
     shared = None if run.partitioned else SHARED_CORES
-    per_cell = 1e9 if cost == 0.0 else 1.0 / (cost * cells * min(1.0, (shared or cells) / cells))
-    work = measured_workload(run)
+    share = min(1.0, (shared or cells) / cells)  # of a cell's speed, with every cell busy
+    per_cell = 1e9 if cost == 0.0 else 1.0 / (cost * cells * share)
+    to_train_s, fitted_run, fitted_policy, depth = run.to_train_s, run, policy, 1
+    if streaming is not None:
+        fitted_run, fitted_policy, depth = streaming
+        streamed = sum(e.trained_tokens for step in fitted_run.executions for e in step)
+        if sum(fitted_run.core_compute_s) > 0 and streamed > 0:  # measured, not fitted on a few steps
+            per_cell = streamed / sum(fitted_run.core_compute_s)
+        groups = len(fitted_run.executions) * len(fitted_run.executions[0]) // fitted_run.group_size
+        # after a streaming step's last execution: its group's tokens, then the update
+        update_s = max(0.1, float(np.median(fitted_run.post_rollout_s)) - streamed / groups / per_cell)
+        surplus = [
+            post - t / (per_cell * cells * share) - update_s - run.to_rollout_s
+            for post, t in zip(run.post_rollout_s, tokens, strict=True)
+        ]
+        to_train_s = max(run.to_train_s, float(np.median(surplus)))
+    work = measured_workload(fitted_run)
 
     def fitted(latency_s: float) -> Preset:
         return machine(
-            cells, sessions_per_cell, latency_s, update_s, run.to_train_s, run.to_rollout_s, per_cell, shared
+            cells, sessions_per_cell, latency_s, update_s, to_train_s, run.to_rollout_s, per_cell, shared
         )
 
     def makespan(latency_s: float) -> float:
         base = fitted(latency_s)
-        return simulate(preset_for(base, run), policy, "calibration", 1, work).makespan_s
+        return simulate(preset_for(base, fitted_run), fitted_policy, "calibration", depth, work).makespan_s
 
     low, high = 1e-5, 1.0
     for _ in range(40):  # makespan grows with the latency: bisect on a log scale
         middle = float(np.sqrt(low * high))
-        if makespan(middle) < run.makespan_s:
+        if makespan(middle) < fitted_run.makespan_s:
             low = middle
         else:
             high = middle

@@ -115,3 +115,66 @@ def test_a_partitioned_run_calibrates_cells_that_own_their_cores():
         MeasuredRun(**{**dataclasses.asdict(shared_run), "executions": shared_run.executions}).partitioned
         is False
     )
+
+
+def test_a_streaming_run_gives_the_update_and_colocate_the_cost_of_its_switches():
+    """With an async run on the same problems, the update is what its steps spend after their last
+    execution (2 s), colocate's steps' surplus (5.8 s - 2 s) becomes its switch to train, the
+    training rate is what the core measured, and the decode latency reproduces the async run: one
+    colocate update is no longer charged to every streaming step."""
+    colocate_run = _run(8, 80.0)
+    streaming_run = dataclasses.replace(
+        colocate_run, policy="async", makespan_s=60.0, post_rollout_s=[2.0, 2.0]
+    )
+    asynchronous = make_policy("async", train_cells=1, max_policy_lag=1)
+    colocate = make_policy("colocate")
+    alone = calibrate(colocate_run, colocate, cells=4, sessions_per_cell=2)
+    both = calibrate(colocate_run, colocate, 4, 2, streaming=(streaming_run, asynchronous, 2))
+    assert alone.trainer.update_s == pytest.approx(5.8) and alone.to_train_s == pytest.approx(0.1)
+    assert both.trainer.update_s == pytest.approx(2.0)
+    assert both.to_train_s == pytest.approx(0.1 + 5.8 - 2.0)
+    assert both.to_rollout_s == pytest.approx(0.1)
+    assert predict(both, streaming_run, asynchronous, 2) == pytest.approx(60.0, rel=0.01)
+    # colocate's steps still pay their surplus, now as the switch before training: 3.8 s a step
+    surplus = predict(both, colocate_run, colocate, 1) - predict(
+        dataclasses.replace(both, to_train_s=0.1), colocate_run, colocate, 1
+    )
+    assert surplus == pytest.approx(2 * 3.8, rel=0.1)
+    # where the core measured its compute, the rate is that (400 tokens a step in 4 s: 100 tokens/s),
+    # the update loses the last group's second and colocate's switch its training (400 tokens on 4
+    # cells sharing 2 cores: 2 s)
+    measured = dataclasses.replace(streaming_run, core_compute_s=[4.0, 4.0])
+    rated = calibrate(colocate_run, colocate, 4, 2, streaming=(measured, asynchronous, 2))
+    assert rated.trainer.tokens_per_s == pytest.approx(100.0)
+    assert rated.trainer.update_s == pytest.approx(2.0 - 1.0)
+    assert rated.to_train_s == pytest.approx(6.0 - 2.0 - 1.0 - 0.1)
+    assert predict(rated, measured, asynchronous, 2) == pytest.approx(60.0, rel=0.01)
+    # a streaming step slower than colocate's: the switch keeps its measured cost, never less
+    slow = dataclasses.replace(streaming_run, post_rollout_s=[9.0, 9.0])
+    assert calibrate(colocate_run, colocate, 4, 2, streaming=(slow, asynchronous, 2)).to_train_s == 0.1
+
+
+def test_the_what_if_trains_every_execution_and_slower_training_never_speeds_a_policy():
+    """bench/schedule_real.py's what-if: every execution's unique tokens trained (its last context and
+    completion), at each rate; a slower trainer never makes a policy faster, and the speedups are
+    read against the best static split."""
+    from bench.schedule_real import what_if
+
+    colocate_run = _run(9, 80.0)
+    streaming = dataclasses.replace(colocate_run, policy="async", makespan_s=60.0, post_rollout_s=[2.0, 2.0])
+    asynchronous = make_policy("async", train_cells=1, max_policy_lag=1)
+    machine = calibrate(colocate_run, make_policy("colocate"), 4, 2, streaming=(streaming, asynchronous, 2))
+    elastic_run = dataclasses.replace(_run(10, 60.0), policy="elastic")
+    rows = what_if(machine, {"elastic": [elastic_run]}, [1000.0, 100.0])
+    trained = np.mean(
+        [sum(e.context_tokens[-1] + e.output_tokens[-1] for e in row) for row in elastic_run.executions]
+    )
+    assert [r["trained_tokens_per_step"] for r in rows] == [round(trained)] * 2
+    assert rows[1]["one_cell_train_s_per_step"] == pytest.approx(trained / 100.0, abs=0.05)
+    fast, slow = rows[0]["makespan_s"], rows[1]["makespan_s"]
+    assert set(fast) == {"colocate", "async-1", "async-2", "async-3", "elastic"}
+    assert all(slow[policy] >= fast[policy] - 1e-6 for policy in fast)
+    for row in rows:
+        best = min(row["makespan_s"][p] for p in ("async-1", "async-2", "async-3"))
+        assert row["makespan_s"][row["best_async"]] == best
+        assert row["speedup_vs_async"] == pytest.approx(best / row["makespan_s"]["elastic"], abs=1e-3)
