@@ -29,6 +29,7 @@
     gyre bench schedule [--quick] [--sim-only]         elastic vs colocate vs async: simulated at paper scale + real on CPU
     gyre bench exploits [--graders KINDS]              every known exploit against every folder grader (reward integrity)
     gyre bench faults [--quick] [--only PARTS]         processes killed, misbehaving agents, gateway load: lost / duplicated work
+    gyre bench hosts [--quick]                         beyond one machine: KV between two hosts over TCP vs re-prefill
     gyre sim [--preset NAME] [--set KEY=VALUE ...]     one simulated comparison of the three policies, against the bound
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
@@ -178,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     exploits.add_argument("--graders", default="pytest,checks,junit,json,exit_code", help="grader kinds")
     exploits.add_argument("--only", nargs="*", default=[], help="exploits whose name contains one of these")
     exploits.add_argument("--out", default="bench/results/exploits.json", help="where the figures go (JSON)")
+    hosts_bench = bench_commands.add_parser(
+        "hosts", help="beyond one machine: KV between two hosts (network namespaces) over TCP vs re-prefill"
+    )
+    hosts_bench.add_argument("--quick", action="store_true", help="8K tokens only, one round")
+    hosts_bench.add_argument("--out", default="bench/results/hosts.json", help="where the figures go (JSON)")
     faults = bench_commands.add_parser(
         "faults", help="faults and load on real processes: lost and duplicated work, recovery seconds"
     )
@@ -259,6 +265,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return bench_faults(quick=args.quick, out=args.out, only=only)
     if args.command == "bench" and args.bench_command == "schedule":
         return schedule.run(args)
+    if args.command == "bench" and args.bench_command == "hosts":
+        from bench.hosts import main as bench_hosts
+
+        return bench_hosts(quick=args.quick, out=args.out)
     if args.command == "sim":
         return schedule.run_sim(args)
     if args.command == "bench" and args.bench_command == "train":

@@ -81,11 +81,17 @@ class SessionExport(WireModel):
     """POST /admin/export_session: the session whose KV (and request in flight) leaves the engine."""
 
     session_id: str
+    transport: Literal["shm", "tcp"] = Field(
+        "shm",
+        description="shm: a file in the host's /dev/shm, for an engine on the same host; tcp: the "
+        "exporting engine serves the buffer once over its own HTTP, for an engine on another host",
+    )
 
 
 class SessionImport(WireModel):
     """POST /admin/import_session: a handle from another engine's export. ``handle`` is the transport's
-    (a ShmHandle of engines/rollout/migration.py); the gateway passes it through unread."""
+    (a ShmHandle or a TcpHandle of engines/rollout/migration.py, told apart by its ``kind``); the
+    gateway passes it through unread."""
 
     handle: dict[str, Any]
     wait: bool = Field(False, description="answer with the migrated request's completion once it ends")
@@ -129,6 +135,10 @@ class EngineStatsReport(EngineCounters):
     """Requests queued for a batch row."""
     running: int = 0
     """Requests decoding now."""
+    kv_bytes_served: int = 0
+    """Bytes of exported KV it served to engines on other hosts (TcpTransport)."""
+    kv_bytes_fetched: int = 0
+    """Bytes of KV it fetched from engines on other hosts (TcpTransport)."""
     kv_tokens: int = 0
     """Cached tokens across all sessions, against ``kv_budget_tokens``."""
     kv_budget_tokens: int | None = None
@@ -143,6 +153,7 @@ class AddEngine(WireModel):
     url: str
     engine_id: str | None = Field(None, pattern=ID_PATTERN)
     admin_token: str | None = None
+    host: str | None = Field(None, description="the host it runs on (gateway EngineSpec.host)")
 
 
 class EngineAdded(WireModel):
@@ -218,6 +229,7 @@ class EngineView(WireModel):
 
     engine_id: str
     url: str
+    host: str | None = Field(None, description="the host it runs on (its EngineSpec's, or its URL's)")
     state: str = Field(description="'active', 'draining' or 'dead'")
     sessions: int = 0
     """Sessions bound to it."""
@@ -362,9 +374,10 @@ class AdminClient:
         return self._gateway(GATEWAY_STATS, params={"samples": "true"} if samples else None)
 
     def add_engine(
-        self, url: str, engine_id: str | None = None, admin_token: str | None = None
+        self, url: str, engine_id: str | None = None, admin_token: str | None = None, host: str | None = None
     ) -> EngineAdded:
-        return self._gateway(ADD_ENGINE, AddEngine(url=url, engine_id=engine_id, admin_token=admin_token))
+        body = AddEngine(url=url, engine_id=engine_id, admin_token=admin_token, host=host)
+        return self._gateway(ADD_ENGINE, body)
 
     def drain(self, engine_id: str) -> DrainReport:
         return self._gateway(DRAIN_ENGINE, engine_id=engine_id)

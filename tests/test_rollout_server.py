@@ -160,6 +160,34 @@ def test_export_import_between_two_servers(server, model):
     assert missing.status_code == 404
 
 
+def test_export_over_tcp_is_fetched_once_from_the_exporting_server(server, model):
+    """transport=tcp (another host): the handle names the exporting server's URL, the importer streams
+    the KV from there (no shared file) and decodes on without a prefill; the buffer serves once, only
+    with the admin token, and a handle of an unknown kind or a gone buffer is a clear error."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = httpx.post(f"{server}/v1/completions", json=completion(prompt, session_id="net")).json()
+    body = {"session_id": "net", "transport": "tcp"}
+    handle = httpx.post(EXPORT_SESSION.url(server), headers=ADMIN, json=body).json()
+    assert handle["kind"] == "tcp" and handle["url"].startswith(f"{server}/admin/kv/")
+    assert handle["nbytes"] == handle["header"]["nbytes"] > 0
+    assert httpx.get(handle["url"]).status_code == 401  # the KV is the engines' business only
+    with serving(RolloutEngine(model, EngineConfig(engine_id="B"))) as other:
+        imported = httpx.post(IMPORT_SESSION.url(other), headers=ADMIN, json={"handle": handle})
+        assert imported.json() == {"session_id": "net", "request_id": None}
+        turn2 = prompt + first["choices"][0]["token_ids"] + [4]
+        out = httpx.post(f"{other}/v1/completions", json=completion(turn2, session_id="net")).json()
+        assert out["choices"][0]["gyre"]["prefilled_tokens"] == 2  # nothing of the moved context
+        # the same turn on A's own KV, had it stayed: the same tokens
+        again = httpx.post(f"{server}/v1/completions", json=completion(turn2)).json()
+        assert out["choices"][0]["token_ids"] == again["choices"][0]["token_ids"]
+        gone = httpx.post(IMPORT_SESSION.url(other), headers=ADMIN, json={"handle": handle})
+        assert gone.status_code == 502 and "did not arrive" in gone.text and "404" in gone.text
+        odd = httpx.post(
+            IMPORT_SESSION.url(other), headers=ADMIN, json={"handle": {**handle, "kind": "rdma"}}
+        )
+        assert odd.status_code == 400 and "'rdma'" in odd.text
+
+
 def test_request_in_flight_moves_to_another_server(model):
     """The gateway's move: A's request is exported mid-decode (A answers 'migrated' with the tokens so
     far), imported on B with wait=true (B answers the whole completion: exactly the unmigrated one)."""

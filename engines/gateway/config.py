@@ -80,6 +80,12 @@ class EngineSpec(BaseModel):
         description="the engine's admin bearer token (KV export/import for drain); None = "
         "GatewayConfig.engine_admin_token",
     )
+    host: str | None = Field(
+        None,
+        description="the host the engine runs on (a [cluster] host name): engines on one host move a session's KV "
+        "through shared memory, on two hosts over TCP. None: the host of its URL (every loopback "
+        "address is one host)",
+    )
 
 
 class GatewayConfig(BaseModel):

@@ -39,6 +39,7 @@ from engines.admin import (
 )
 from engines.gateway.errors import EngineDown, EngineRejected
 from engines.gateway.http import KeepAliveClient
+from engines.net import host_of
 from engines.protocol import EngineCompletion, EngineCompletionRequest, ModelList
 
 EngineState = Literal["active", "draining", "dead"]
@@ -51,7 +52,8 @@ class EngineClient:
     """Attributes: engine_id, url, state ('active' takes new sessions; 'draining' keeps serving what it
     holds until moved; 'dead' gets nothing), in_flight (requests the gateway has sent and not yet got
     back), sessions (ids of the sessions bound to it), model_name / max_model_len (from /v1/models),
-    policy_version (from /admin/stats; per-token versions in responses take precedence)."""
+    policy_version (from /admin/stats; per-token versions in responses take precedence), host (the host
+    it runs on: its spec's, or its URL's; a session's KV moves between two hosts over TCP)."""
 
     def __init__(
         self,
@@ -61,9 +63,11 @@ class EngineClient:
         admin_token: str | None = None,
         connect_timeout_s: float = 5.0,
         timeout_s: float | None = None,
+        host: str | None = None,
     ):
         self.engine_id = engine_id
         self.url = url.rstrip("/")
+        self.host = host or host_of(self.url)
         self.admin_token = admin_token
         self.state: EngineState = "active"
         self.in_flight = 0
@@ -115,10 +119,15 @@ class EngineClient:
             raise EngineRejected(self.engine_id, status, _message(data))
         return self._parse(EngineCompletion, data)
 
-    async def export_session(self, session_id: str) -> dict[str, Any] | None:
-        """The session's KV handle, or None when this engine holds no such session."""
+    async def export_session(
+        self, session_id: str, transport: Literal["shm", "tcp"] = "shm"
+    ) -> dict[str, Any] | None:
+        """The session's KV handle, or None when this engine holds no such session. ``transport``: shm
+        for an importer on this engine's host, tcp for one on another host."""
         try:
-            return await self._admin(EXPORT_SESSION, SessionExport(session_id=session_id))
+            return await self._admin(
+                EXPORT_SESSION, SessionExport(session_id=session_id, transport=transport)
+            )
         except EngineRejected as exc:
             if exc.status == 404:
                 return None

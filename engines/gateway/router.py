@@ -103,6 +103,7 @@ class Router:
             admin_token=spec.admin_token or admin_token,
             connect_timeout_s=connect_timeout_s,
             timeout_s=timeout_s,
+            host=spec.host,
         )
         try:
             own_id = await engine.probe()
@@ -288,7 +289,9 @@ class Router:
             route.migrations[route.in_flight] = future
         self.bind(route, target)
         try:
-            handle = await source.export_session(route.session_id)
+            # between hosts the target fetches the KV from the source over TCP; on one host, /dev/shm
+            transport = "shm" if source.host == target.host else "tcp"
+            handle = await source.export_session(route.session_id, transport)
             if handle is None:
                 outcome, completion = "rebound", None
                 self.stats.sessions_rebound += 1
@@ -321,6 +324,7 @@ class Router:
             EngineView(
                 engine_id=e.engine_id,
                 url=e.url,
+                host=e.host,
                 state=e.state,
                 sessions=len(e.sessions),
                 in_flight=e.in_flight,

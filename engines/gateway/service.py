@@ -142,7 +142,9 @@ class Gateway:
 
     # admin ------------------------------------------------------------------------------------------
     async def add_engine(self, body: AddEngine) -> EngineAdded:
-        spec = EngineSpec(url=body.url, engine_id=body.engine_id, admin_token=body.admin_token)
+        spec = EngineSpec(
+            url=body.url, engine_id=body.engine_id, admin_token=body.admin_token, host=body.host
+        )
         engine, old = await self.router.connect(
             spec,
             admin_token=self.config.engine_admin_token,

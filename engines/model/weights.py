@@ -11,11 +11,16 @@ Two formats:
   (a remote folder is fetched into the local cache first, `storage.fetch_folder`), SDPA attention
   (tree-packed training needs an attention that honours a 4D mask). ``read_weights`` also takes such
   a folder and returns the tensors of all its safetensors files.
+
+``read_weights`` reads a local path, or any fsspec URL (``s3://bucket/campaign/policy/v3/model.safetensors``):
+an engine on another host loads a version from the campaign's object storage, read into memory (no
+local copy; S3 credentials and endpoint from the environment, ``AWS_ENDPOINT_URL`` for a non-AWS one).
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +60,8 @@ def read_weights(
     version in their metadata (None when there is none). With ``expected_version``, a file holding
     another version is refused (ValueError) before its tensors are read."""
     path = str(path)
+    if "://" in path and not path.startswith("file://"):
+        return _read_remote_weights(path, expected_version)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
     if not files:
         raise FileNotFoundError(f"no *.safetensors under {path}")
@@ -69,6 +76,43 @@ def read_weights(
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
+    return state, version
+
+
+def _safetensors_metadata(data: bytes, where: str) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file held in memory (8-byte header length, JSON header)."""
+    if len(data) < 8:
+        raise ValueError(f"{where} is not a safetensors file: {len(data)} bytes")
+    length = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8 : 8 + length])
+    except ValueError as exc:
+        raise ValueError(f"{where} is not a safetensors file: {exc}") from exc
+    return header.get("__metadata__") or {}
+
+
+def _read_remote_weights(
+    url: str, expected_version: int | None
+) -> tuple[dict[str, torch.Tensor], int | None]:
+    """``read_weights`` of a file or folder at an fsspec URL, each file read into memory once."""
+    import fsspec
+    from safetensors.torch import load as load_bytes
+
+    fs, root = fsspec.core.url_to_fs(url)
+    files = sorted(fs.glob(f"{root.rstrip('/')}/*.safetensors")) if fs.isdir(root) else [root]
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {url}")
+    blobs = {file: fs.cat_file(file) for file in files}
+    version = None
+    for file, data in blobs.items():
+        meta = _safetensors_metadata(data, f"{url} ({file})")
+        if VERSION_KEY in meta:
+            version = int(meta[VERSION_KEY])
+    if expected_version is not None and version != expected_version:
+        raise ValueError(f"{url} holds policy version {version}, expected {expected_version}")
+    state: dict[str, torch.Tensor] = {}
+    for data in blobs.values():
+        state.update(load_bytes(data))
     return state, version
 
 

@@ -21,7 +21,12 @@ generator state, each at a 64-byte aligned offset) plus a small JSON header desc
                     GPU: nothing crosses the host; CPU shared memory elsewhere).
     GlooTransport   any two hosts: a torch.distributed ProcessGroupGloo built from a TCPStore +
                     PrefixStore (no global init_process_group); the header goes through the store,
-                    the buffer through one point-to-point send/recv.
+                    the buffer through one point-to-point send/recv. Both engines must join the
+                    same group first, which the gateway's migrations do not do.
+    TcpTransport    any two hosts, no rendezvous: the exporting engine keeps the buffer and its
+                    handle names the URL that serves it once (GET /admin/kv/{key} on the engine's
+                    own HTTP server); the importing engine streams it from there. What the engines
+                    and the gateway use between hosts (SessionExport.transport = "tcp").
 
 An RDMA transport (NIXL, UCX) implements the same two methods: ``send`` registers the KV buffers with
 the NIC (no packing copy: one descriptor per layer tensor, or the engine's KV pool registered once)
@@ -39,6 +44,7 @@ import os
 import pickle
 import struct
 import tempfile
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -373,3 +379,84 @@ class GlooTransport(KVTransport):
         for work, _ in self._in_flight:
             work.wait()
         self._in_flight.clear()
+
+
+class TcpHandle(BaseModel):
+    kind: Literal["tcp"] = "tcp"
+    url: str  # GET it once, with the engines' admin token, for the buffer
+    header: dict  # pack's header
+    nbytes: int
+    session_id: str
+
+
+class TcpTransport(KVTransport):
+    """Any two hosts, over the engines' own HTTP (TCP): ``offer`` keeps the packed buffer in the
+    exporting engine's memory and returns a handle with the URL that serves it once
+    (GET /admin/kv/{key} of that engine, behind the engines' admin token); the importing engine's
+    ``receive`` streams it into one buffer and unpacks it. A buffer nobody fetched within ``ttl_s``
+    is dropped at the next offer (the export it belonged to is lost: the gateway re-runs that
+    session's context on the target instead). The handle is small and JSON-able like the others,
+    so the gateway passes it through unread; it carries no tensor."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        ttl_s: float = 300.0,
+        timeout_s: float = 120.0,
+    ):
+        self.base_url, self.token, self.ttl_s, self.timeout_s = base_url, token, ttl_s, timeout_s
+        self._offered: dict[str, tuple[float, bytearray]] = {}
+
+    def offer(self, state: SessionState, base_url: str) -> TcpHandle:
+        """The buffer, kept under a new key; the handle names ``base_url``'s route that serves it."""
+        now = time.monotonic()
+        for key in [k for k, (t, _) in self._offered.items() if now - t > self.ttl_s]:
+            del self._offered[key]
+        header, pieces = pack(state)
+        buffer = bytearray(header["nbytes"])
+        view = memoryview(buffer)
+        for offset, raw in pieces:
+            view[offset : offset + raw.numel()] = raw.numpy().tobytes()
+        key = uuid.uuid4().hex
+        self._offered[key] = (now, buffer)
+        return TcpHandle(
+            url=f"{base_url.rstrip('/')}/admin/kv/{key}",
+            header=header,
+            nbytes=len(buffer),
+            session_id=state.session_id,
+        )
+
+    def send(self, state: SessionState) -> TcpHandle:
+        """``offer`` at this transport's ``base_url`` (the engine's address as its peers reach it)."""
+        if self.base_url is None:
+            raise ValueError("TcpTransport.send needs base_url: the address its peers fetch the KV from")
+        return self.offer(state, self.base_url)
+
+    def take(self, key: str) -> bytearray | None:
+        """The buffer offered under ``key``, once (the server's GET /admin/kv/{key})."""
+        offered = self._offered.pop(key, None)
+        return None if offered is None else offered[1]
+
+    def receive(self, handle: TcpHandle) -> SessionState:
+        import httpx
+
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        buffer = bytearray(handle.nbytes)
+        filled = 0
+        with httpx.stream("GET", handle.url, headers=headers, timeout=self.timeout_s) as answer:
+            if answer.status_code != 200:
+                answer.read()
+                raise ValueError(
+                    f"KV of session {handle.session_id} at {handle.url}: HTTP {answer.status_code} {answer.text[:200]}"
+                )
+            for chunk in answer.iter_bytes(1 << 20):
+                if filled + len(chunk) > handle.nbytes:
+                    raise ValueError(
+                        f"KV of session {handle.session_id}: more than the {handle.nbytes} bytes announced"
+                    )
+                buffer[filled : filled + len(chunk)] = chunk
+                filled += len(chunk)
+        if filled != handle.nbytes:
+            raise ValueError(f"KV of session {handle.session_id}: {filled} of {handle.nbytes} bytes arrived")
+        return unpack(handle.header, torch.frombuffer(buffer, dtype=torch.uint8))

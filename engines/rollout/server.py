@@ -60,7 +60,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from engines.admin import (
@@ -98,7 +98,7 @@ from engines.rollout.config import EngineServerConfig
 from engines.rollout.engine import RolloutEngine
 from engines.rollout.loop import EngineLoop
 from engines.rollout.messages import GenerateOutput, GenerateRequest, SamplingParams
-from engines.rollout.migration import ShmHandle, ShmTransport
+from engines.rollout.migration import ShmHandle, ShmTransport, TcpHandle, TcpTransport
 
 
 def create_app(
@@ -109,6 +109,10 @@ def create_app(
     transport: ShmTransport | None = None,
 ) -> FastAPI:
     transport = transport or ShmTransport()
+    # between hosts: this engine serves what it exports once (GET /admin/kv/{key}); it fetches what it
+    # imports from the exporting engine with the same admin token (the engines of a pool share one)
+    network = TcpTransport(token=admin_token)
+    moved = {"served": 0, "fetched": 0}  # KV bytes between hosts
     loop = EngineLoop(engine)
     loaded: dict[str, str | None] = {
         "path": None
@@ -203,23 +207,48 @@ def create_app(
         return SleepState(asleep=engine.asleep, policy_version=engine.policy_version)
 
     @app.post(EXPORT_SESSION.path, dependencies=[Depends(admin)])
-    def export_session(body: SessionExport) -> dict:
+    def export_session(body: SessionExport, request: Request) -> dict:
         try:
             state = engine.export_session(body.session_id)
         except KeyError as exc:
             raise HTTPException(404, str(exc)) from exc
         loop.notify()  # an in-flight request ends with finish_reason 'migrated'
+        if body.transport == "tcp":  # served from this engine's address as the gateway reached it
+            return network.offer(state, str(request.base_url)).model_dump()
         return transport.send(state).model_dump()
+
+    @app.get("/admin/kv/{key}", dependencies=[Depends(admin)])
+    def exported_kv(key: str) -> StreamingResponse:
+        buffer = network.take(key)
+        if buffer is None:
+            raise HTTPException(404, f"no exported KV {key!r} here (fetched already, or older than its ttl)")
+        moved["served"] += len(buffer)
+        view, step = memoryview(buffer), 4 << 20
+        chunks = (bytes(view[i : i + step]) for i in range(0, len(buffer), step))  # no whole second copy
+        return StreamingResponse(
+            chunks, media_type="application/octet-stream", headers={"content-length": str(len(buffer))}
+        )
 
     @app.post(IMPORT_SESSION.path, dependencies=[Depends(admin)])
     async def import_session(body: SessionImport):
+        kinds: dict[str, tuple[type[ShmHandle] | type[TcpHandle], ShmTransport | TcpTransport]] = {
+            "shm": (ShmHandle, transport),
+            "tcp": (TcpHandle, network),
+        }
+        kind = body.handle.get("kind", "shm")
+        if kind not in kinds:
+            return error_response(400, f"handle kind {kind!r} is not one of {', '.join(kinds)}")
+        model, receiver = kinds[kind]
         try:
-            handle = ShmHandle.model_validate(body.handle)
+            handle = model.model_validate(body.handle)
         except ValidationError as exc:
-            return error_response(
-                400, f"handle is not a {transport.__class__.__name__} handle: {exc.errors()[:3]}"
-            )
-        state = await asyncio.to_thread(transport.receive, handle)
+            return error_response(400, f"handle is not a {model.__name__}: {exc.errors()[:3]}")
+        try:
+            state = await asyncio.to_thread(receiver.receive, handle)  # type: ignore[arg-type]
+        except (OSError, ValueError) as exc:  # the exporter's file or URL is gone, or the bytes fell short
+            return error_response(502, f"the session's KV did not arrive: {exc}")
+        if kind == "tcp":
+            moved["fetched"] += handle.nbytes
         request_id = state.decode.request.request_id if state.decode else None
         future = loop.expect(request_id) if body.wait and request_id else None
         try:
@@ -242,6 +271,8 @@ def create_app(
             waiting=len(engine.waiting),
             running=len(engine.running),
             kv_tokens=engine.kv_tokens,
+            kv_bytes_served=moved["served"],
+            kv_bytes_fetched=moved["fetched"],
             kv_budget_tokens=engine.config.kv_budget_tokens,
             devices=devices.report(),
             **engine.stats.model_dump(),

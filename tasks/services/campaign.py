@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from engines.admin import AdminClient
 from engines.devices import CellDevices
+from engines.net import host_of
 from engines.train.core import default_fast_dir
 from tasks.services.stack import LocalStack, local_stack
 from tasks.services.up import ServingConfig, UpRecord, running_stack
@@ -103,6 +104,16 @@ def policy_path(services: Services, version: int, init_model: str) -> str:
     return local
 
 
+def remote_policy_path(services: Services, version: int, path: str) -> str:
+    """What an engine on another host loads for ``version``: the version in the campaign's object
+    storage (``policy/v<n>/model.safetensors`` under ``policy_root``) when that storage is remote;
+    else ``path`` itself (version 0's starting folder, or a store on a local disk, which another host
+    sees only through a shared file system)."""
+    if version == 0 or "://" not in services.policy_root or services.policy_root.startswith("file://"):
+        return path
+    return f"{services.policy_root.rstrip('/')}/policy/v{version}/model.safetensors"
+
+
 def _engine(services: Services) -> AdminClient:
     """The engines' admin client (a weight load may take minutes)."""
     return AdminClient(engine_token=services.engine_admin_token.get_secret_value(), timeout_s=600)
@@ -111,20 +122,23 @@ def _engine(services: Services) -> AdminClient:
 def serve_version(services: Services, engines: list[str], version: int, path: str) -> dict[str, str]:
     """Makes every engine in ``engines`` awake and serving ``version`` (idempotent); says what it did.
     An engine that cannot be reached (its process died) is skipped: the gateway routes nothing to it,
-    and the step runs on the others; with none reachable it raises."""
+    and the step runs on the others; with none reachable it raises. ``path`` is on this host: an engine
+    whose URL names another host loads the version from the campaign's object storage instead
+    (`remote_policy_path`)."""
     done = {}
     with _engine(services) as admin:
         for url in engines:
+            load = path if host_of(url) == "loopback" else remote_policy_path(services, version, path)
             try:
                 stats = admin.engine_stats(url)
             except httpx.TransportError:
                 done[url] = "unreachable"
                 continue
             if stats.asleep:
-                admin.wake(url, path, version)
+                admin.wake(url, load, version)
                 done[url] = "woke"
             elif stats.policy_version != version:
-                admin.load_weights(url, path, version, drop_kv=True)
+                admin.load_weights(url, load, version, drop_kv=True)
                 done[url] = "swapped"
             else:
                 done[url] = "serving"

@@ -1,0 +1,183 @@
+"""Engines on two hosts: network namespaces the test makes (bench/netns.py), each engine
+a process inside its own, the gateway in the root namespace. A drained engine's session moves to the
+engine of the other host with its KV over TCP (the exporting engine serves it, the importing one
+fetches it: no shared file), and decodes on exactly as it would have."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from bench.netns import cut_off, engine_on, hosts
+from engines.model.tokenizer import save_tokenizer
+from engines.net import host_of
+from tests.test_gateway_fixtures import ENGINE_TOKEN, gateway_stack, scripted_model, scripts, tokenizer
+from tests.test_gateway_routing import chat
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return scripted_model(tokenizer())
+
+
+def test_a_drained_session_moves_to_another_host_with_its_kv_over_tcp(tmp_path, model):
+    folder = str(tmp_path / "policy")
+    model.save_pretrained(folder)
+    save_tokenizer(tokenizer(), folder)
+    text = scripts(tokenizer())[1]
+    with (
+        hosts(["h1", "h2"]) as (h1, h2),
+        engine_on(h1, folder, "A", ENGINE_TOKEN) as a_url,
+        engine_on(h2, folder, "B", ENGINE_TOKEN) as b_url,
+    ):
+        if h1.netns is not None:  # each address is its own namespace's: the root reaches both
+            assert host_of(a_url) != host_of(b_url)
+            assert h2.run(
+                ["python3", "-c", f"import urllib.request; urllib.request.urlopen('{a_url}/health')"]
+            )
+        with gateway_stack(str(tmp_path / "gw"), model, engine_ids=()) as stack:
+            stack.engine_urls.update(A=a_url, B=b_url)
+            with stack.typed_admin() as admin:
+                # the hosts by name, as [cluster] places them (on loopback too, where namespaces are refused)
+                assert admin.add_engine(a_url, host=h1.name).engine_id == "A"
+                client = stack.client(stack.register("moving"))
+                messages = [{"role": "user", "content": "Write a lot."}]
+                chat(client, messages)
+                assert admin.add_engine(b_url, host=h2.name).engine_id == "B"
+                report = admin.drain("A")
+            assert report.sessions == 1 and report.moved_with_kv == 1 and report.failed == []
+            a_stats, b_stats = stack.engine_stats("A"), stack.engine_stats("B")
+            # the KV went over TCP, served by A and fetched by B; B recomputed none of the context
+            assert a_stats["kv_bytes_served"] == b_stats["kv_bytes_fetched"] > 0
+            assert b_stats["migrations_in"] == 1 and b_stats["prefilled_tokens"] == 0
+            chat(client, messages)  # the next turn decodes on B from the moved KV
+            stack.finish("moving")
+            calls = stack.calls("moving")
+            assert [row["engine_id"] for row, _ in calls] == ["A", "B"]
+            row, sequence = calls[1]
+            assert sequence[row["prompt_len"] :] == text  # what the scripted policy says, moved or not
+            new_tokens = row["prompt_len"] - (len(calls[0][1]) - 1)  # the last sampled token was never fed
+            assert stack.engine_stats("B")["prefilled_tokens"] == new_tokens
+        if h1.netns is not None:  # a host cut off (its link down) answers nothing; its process lives on
+            cut_off(h1)
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"{a_url}/health", timeout=2)
+            assert httpx.get(f"{b_url}/health", timeout=5).status_code == 200
+
+
+def test_the_hosts_benchmark_moves_kv_between_namespaces_and_checks_the_answer():
+    """bench/hosts.py at a small size: the moved session answers as the re-prefilled one does, after
+    prefilling only the turn's 2 new tokens, and every byte of the KV (4 KiB a token of the tiny
+    preset: 4 layers x keys and values x 2 heads x 64 x float32) crossed between the hosts."""
+    from bench.hosts import kv_migration
+
+    figures = kv_migration((512,), rounds=1)
+    (row,) = figures["sizes"]
+    assert figures["hosts"] == 2 and figures["namespaces"] is True  # root here: namespaces are made
+    assert row["same_answer"] and row["fetched_bytes_match"] and row["moved_prefilled_tokens"] == 2
+    assert row["kv_bytes"] >= 4 * 2 * 2 * 64 * 4 * 513 and row["tcp_s"] > 0 and row["reprefill_answer_s"] > 0
+
+
+def test_an_engine_on_another_host_loads_a_new_version_from_object_storage(tmp_path):
+    """serve_version on an engine whose URL names another host: it gets the version's URL in the
+    campaign's object storage (S3, here a moto server on the hosts' network), not the path of the
+    trainer's host, and serves exactly those weights."""
+    import boto3
+    import fsspec
+    import httpx
+    from moto.server import ThreadedMotoServer
+
+    from bench.netns import root_address
+    from engines.model.weights import save_weights
+    from engines.net import free_port
+    from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams
+    from tasks.services.campaign import Services, serve_version
+    from tests.test_rollout_fixtures import perturbed_state, tiny_policy
+
+    policy = tiny_policy()
+    folder = str(tmp_path / "policy")
+    policy.save_pretrained(folder)
+    save_tokenizer(tokenizer(), folder)
+    version_1 = perturbed_state(policy, seed=5)
+    local = str(tmp_path / "fast" / "policy-v1.safetensors")
+    save_weights(version_1, local, 1)
+    with hosts(["h1"]) as (h1,):
+        assert h1.netns is not None  # root here: the engine's host is a namespace of its own
+        port = free_port(root_address(h1))
+        s3 = ThreadedMotoServer(ip_address=root_address(h1), port=port)
+        s3.start()
+        endpoint = f"http://{root_address(h1)}:{port}"
+        credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        credentials.update(AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
+        try:
+            boto3.client("s3", endpoint_url=endpoint, **_boto(credentials)).create_bucket(Bucket="campaigns")
+            fs = fsspec.filesystem(
+                "s3", client_kwargs={"endpoint_url": endpoint}, key="testing", secret="testing"
+            )
+            fs.put_file(local, "campaigns/run/policy/v1/model.safetensors")
+            with engine_on(h1, folder, "A", ENGINE_TOKEN, env=credentials) as url:
+                services = Services(
+                    gateway_url="http://127.0.0.1:9",  # unused: serve_version talks to the engines only
+                    admin_token="unused",
+                    engine_urls=[url],
+                    engine_admin_token=ENGINE_TOKEN,
+                    policy_root="s3://campaigns/run",
+                    fast_dir=str(tmp_path / "fast"),
+                )
+                missing = str(tmp_path / "not-on-h1.safetensors")  # what h1 could never read
+                assert serve_version(services, [url], 1, missing) == {url: "swapped"}
+                headers = {"authorization": f"Bearer {ENGINE_TOKEN}"}
+                stats = httpx.get(f"{url}/admin/stats", headers=headers).json()
+                assert stats["policy_version"] == 1
+                assert stats["weights_path"] == "s3://campaigns/run/policy/v1/model.safetensors"
+                body = {"model": "m", "prompt": [3, 1, 4, 1, 5], "max_tokens": 8, "temperature": 0}
+                served = httpx.post(f"{url}/v1/completions", json={**body, "return_token_ids": True}).json()
+        finally:
+            s3.stop()
+    policy.load_state_dict(version_1)
+    sampling = SamplingParams(temperature=0, max_tokens=8)
+    [expected] = RolloutEngine(policy, EngineConfig()).generate(
+        [GenerateRequest(request_id="x", prompt_ids=[3, 1, 4, 1, 5], sampling=sampling)]
+    )
+    assert served["choices"][0]["token_ids"] == expected.output_ids
+
+
+def _boto(credentials: dict[str, str]) -> dict[str, str]:
+    return {
+        "aws_access_key_id": credentials["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": credentials["AWS_SECRET_ACCESS_KEY"],
+        "region_name": credentials["AWS_DEFAULT_REGION"],
+    }
+
+
+def test_an_engine_host_is_its_spec_or_its_url():
+    from engines.gateway.engine_client import EngineClient
+    from engines.net import host_of
+
+    assert host_of("http://127.0.0.1:8100") == host_of("http://localhost:9") == "loopback"
+    assert host_of("http://[::1]:8100") == "loopback" and host_of("http://10.0.0.12:8100") == "10.0.0.12"
+    assert host_of("http://GPU-7.example:8100") == "gpu-7.example"
+    assert EngineClient("a", "http://127.0.0.1:1").host == "loopback"
+    assert EngineClient("a", "http://127.0.0.1:1", host="h2").host == "h2"  # a [cluster] name wins
+
+
+def test_a_remote_engine_loads_from_object_storage_only_when_the_store_is_remote():
+    from tasks.services.campaign import Services, remote_policy_path
+
+    def services(root: str) -> Services:
+        return Services(
+            gateway_url="http://127.0.0.1:9",
+            admin_token="a",
+            engine_urls=[],
+            engine_admin_token="e",
+            policy_root=root,
+            fast_dir="/fast",
+        )
+
+    remote = services("s3://campaigns/run/")
+    assert remote_policy_path(remote, 3, "/fast/p-v3") == "s3://campaigns/run/policy/v3/model.safetensors"
+    assert remote_policy_path(remote, 0, "/models/start") == "/models/start"  # the starting folder
+    for local in ("/data/campaigns/run", "file:///data/campaigns/run"):  # a shared file system, if any
+        assert remote_policy_path(services(local), 3, "/fast/p-v3") == "/fast/p-v3"
