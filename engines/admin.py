@@ -217,6 +217,7 @@ class RouterCounters(WireModel):
     rerouted_calls: int = 0
     recomputed_tokens: int = 0
     engine_deaths: int = 0
+    engines_unresponsive: int = 0  # of the deaths, engines that stopped answering their health checks
     drains: int = 0
     sessions_migrated: int = 0  # sessions whose KV moved
     requests_migrated: int = 0  # of them, mid-request

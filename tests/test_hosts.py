@@ -181,3 +181,54 @@ def test_a_remote_engine_loads_from_object_storage_only_when_the_store_is_remote
     assert remote_policy_path(remote, 0, "/models/start") == "/models/start"  # the starting folder
     for local in ("/data/campaigns/run", "file:///data/campaigns/run"):  # a shared file system, if any
         assert remote_policy_path(services(local), 3, "/fast/p-v3") == "/fast/p-v3"
+
+
+def test_a_host_cut_off_mid_call_misses_its_health_checks_and_the_call_re_runs_on_another_host(
+    tmp_path, model
+):
+    """A cut link breaks no connection: the call to the engine on h1 would wait for ever. The gateway's
+    health checks find the engine silent, mark it dead and end its call, which re-runs on h2's engine
+    from its recorded prompt; the execution records the call once, from h2."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_gateway_routing import wait_until
+
+    folder = str(tmp_path / "policy")
+    model.save_pretrained(folder)
+    save_tokenizer(tokenizer(), folder)
+    with (
+        hosts(["h1", "h2"]) as (h1, h2),
+        engine_on(h1, folder, "A", ENGINE_TOKEN) as a_url,
+        engine_on(h2, folder, "B", ENGINE_TOKEN) as b_url,
+    ):
+        assert h1.netns is not None  # root here: a host can be cut off
+        watch = dict(engine_watch_interval_s=0.5, engine_watch_misses=2, engine_watch_timeout_s=0.5)
+        with gateway_stack(str(tmp_path / "gw"), model, engine_ids=(), **watch) as stack:
+            with stack.typed_admin() as admin:
+                admin.add_engine(a_url, host=h1.name)
+                admin.add_engine(b_url, host=h2.name)
+            router = stack.gateway.router
+            router.engines["B"].state = "draining"  # the call starts on A
+            client = stack.client(stack.register("cut"))
+            with ThreadPoolExecutor(1) as pool:
+                call = pool.submit(
+                    client.completions.create, model="m", prompt=[5, 6, 7, 8], max_tokens=2000, seed=1
+                )
+                wait_until(lambda: router.engines["A"].in_flight == 1)
+                time.sleep(0.3)  # well inside A's 2000-token decode
+                cut_off(h1)
+                router.activate("B")
+                out = call.result(timeout=300)
+            assert (
+                out.choices[0].finish_reason == "length"
+                and len(out.choices[0].model_extra["token_ids"]) == 2000
+            )
+            gyre = out.model_extra["gyre"]
+            assert gyre["engine_id"] == "B" and gyre["rerouted"] is True
+            with stack.typed_admin() as admin:
+                stats = admin.gateway_stats()
+            assert stats.engine_deaths == 1 and stats.engines_unresponsive == 1 and stats.rerouted_calls == 1
+            assert {e.engine_id: e.state for e in stats.engines} == {"A": "dead", "B": "active"}
+            stack.finish("cut")
+            assert [row["engine_id"] for row, _ in stack.calls("cut")] == ["B"]

@@ -129,6 +129,20 @@ class GatewayConfig(BaseModel):
         description="most seconds one engine call may take; None = as long as the generation takes "
         "(an agent's call can legitimately decode for minutes)",
     )
+    engine_watch_interval_s: float | None = Field(
+        5.0,
+        gt=0,
+        description="seconds between health checks (GET /health) of each engine with calls in flight; "
+        "None turns them off. An engine that misses engine_watch_misses in a row is dead: its calls re-run "
+        "on another engine. Without them, a call to an engine that stops answering without closing its "
+        "connections (its host cut off from the network, a frozen process) waits for ever",
+    )
+    engine_watch_misses: int = Field(
+        3, ge=1, description="missed health checks in a row that make an engine dead"
+    )
+    engine_watch_timeout_s: float = Field(
+        5.0, gt=0, description="how long one health check waits for its answer"
+    )
     tokenizer_threads: int = Field(
         2,
         ge=1,

@@ -142,6 +142,19 @@ class EngineClient:
     async def stats(self) -> EngineStatsReport:
         return await self._admin(ENGINE_STATS)
 
+    async def healthy(self, timeout_s: float) -> bool:
+        """Whether GET /health answers 200 within ``timeout_s`` (connecting included)."""
+        try:
+            answer = await self.client.get("/health", timeout=timeout_s)
+        except (httpx.HTTPError, OSError):
+            return False
+        return answer.status_code == 200
+
+    def abort(self, reason: str) -> None:
+        """Ends its calls in flight (each raises EngineDown, so the router re-runs it elsewhere) and
+        every later one: an engine that stopped answering without closing its connections."""
+        self.fast.abort(reason)
+
     async def close(self) -> None:
         await self.fast.close()
         await self.client.aclose()

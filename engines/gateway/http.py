@@ -41,6 +41,8 @@ class KeepAliveClient:
         self.timeout_s = timeout_s
         self.max_idle = max_idle
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._busy: set[asyncio.StreamWriter] = set()  # connections with a request in flight
+        self._aborted: str | None = None
         self._host_header = f"{self.host}:{self.port}"
 
     async def request(
@@ -51,12 +53,16 @@ class KeepAliveClient:
         for name, value in (headers or {}).items():
             head += f"{name}: {value}\r\n"
         payload = head.encode("latin-1") + b"\r\n" + body
+        if self._aborted is not None:
+            raise ConnectionAbortedError(self._aborted)
         connection, reused = self._take()
         if connection is None:
             connection = await self._connect()
         try:
             return await self._exchange(connection, payload)
         except _ClosedBeforeAnswer:
+            if self._aborted is not None:
+                raise ConnectionAbortedError(self._aborted) from None
             if not reused:
                 raise ConnectionResetError("the server closed the connection without answering") from None
             return await self._exchange(await self._connect(), payload)
@@ -65,6 +71,17 @@ class KeepAliveClient:
         idle, self._idle = self._idle, []
         for _, writer in idle:
             writer.close()
+
+    def abort(self, reason: str) -> None:
+        """Ends every request in flight now (ConnectionAbortedError) and refuses new ones: for a
+        server that stopped answering without closing its connections (a host cut off from the
+        network, a frozen process), where a read would otherwise wait forever."""
+        self._aborted = reason
+        for writer in list(self._busy):
+            writer.transport.abort()
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.transport.abort()
 
     def _take(self) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, bool]:
         while self._idle:
@@ -83,6 +100,7 @@ class KeepAliveClient:
     ) -> tuple[int, bytes]:
         reader, writer = connection
         done = False
+        self._busy.add(writer)
         try:
             writer.write(payload)
             if self.timeout_s is None:
@@ -91,8 +109,13 @@ class KeepAliveClient:
                 status, body, keep = await asyncio.wait_for(self._read(reader), self.timeout_s)
             done = keep
             return status, body
+        except (OSError, asyncio.IncompleteReadError):
+            if self._aborted is not None:
+                raise ConnectionAbortedError(self._aborted) from None
+            raise
         finally:
-            if done and len(self._idle) < self.max_idle:
+            self._busy.discard(writer)
+            if done and self._aborted is None and len(self._idle) < self.max_idle:
                 self._idle.append(connection)
             else:
                 writer.close()

@@ -187,6 +187,25 @@ class Router:
                 route.engine, route.lost = None, True
         engine.sessions.clear()
 
+    async def watch(self, interval_s: float, misses: int, timeout_s: float) -> None:
+        """Health checks, every ``interval_s``, of each engine with calls in flight; one that misses
+        ``misses`` in a row is dead: its calls end (EngineDown) and re-run on another engine from
+        their recorded prompts. A host cut off from the network or a frozen process breaks no
+        connection, so without this its calls would wait for ever (engine_timeout_s is None by
+        default: a call may decode for minutes). Runs until cancelled."""
+        missed: dict[str, int] = {}
+        while True:
+            await asyncio.sleep(interval_s)
+            watched = [e for e in self.engines.values() if e.state != "dead" and e.in_flight > 0]
+            answers = await asyncio.gather(*(e.healthy(timeout_s) for e in watched))
+            for engine, healthy in zip(watched, answers, strict=True):
+                missed[engine.engine_id] = 0 if healthy else missed.get(engine.engine_id, 0) + 1
+                if missed[engine.engine_id] >= misses:
+                    missed.pop(engine.engine_id)
+                    self.mark_dead(engine)
+                    self.stats.engines_unresponsive += 1
+                    engine.abort(f"engine {engine.engine_id} missed {misses} health checks in a row")
+
     def activate(self, engine_id: str) -> None:
         engine = self._engine(engine_id)
         if engine.state == "dead":

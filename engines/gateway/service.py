@@ -25,6 +25,7 @@ max_agents_per_execution agents and take in max_execution_tokens new ids; past a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -113,14 +114,26 @@ class Gateway:
         # a getrandom syscall per id on the hot path)
         self._id_prefix = secrets.token_hex(6)
         self._id_counter = itertools.count()
+        self._watch: asyncio.Task | None = None  # Router.watch: engines that stop answering
 
     # lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
         for spec in self.config.engines:
             await self.add_engine(AddEngine(**spec.model_dump()))
         await self.recording.start()
+        config = self.config
+        if config.engine_watch_interval_s is not None:
+            self._watch = asyncio.create_task(
+                self.router.watch(
+                    config.engine_watch_interval_s, config.engine_watch_misses, config.engine_watch_timeout_s
+                )
+            )
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         await self.recording.close()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
         for engine in self.router.engines.values():
