@@ -232,3 +232,19 @@ def test_a_host_cut_off_mid_call_misses_its_health_checks_and_the_call_re_runs_o
             assert {e.engine_id: e.state for e in stats.engines} == {"A": "dead", "B": "active"}
             stack.finish("cut")
             assert [row["engine_id"] for row, _ in stack.calls("cut")] == ["B"]
+
+
+def test_weights_read_from_a_url_are_version_checked_like_a_local_file(tmp_path):
+    """read_weights through fsspec (file:// here; s3:// in the namespace test above): a file and a
+    folder of it, the version in their metadata, another version refused before use."""
+    import torch
+
+    from engines.model.weights import read_weights, save_weights
+
+    path = str(tmp_path / "policy-v7.safetensors")
+    save_weights({"w": torch.arange(4.0)}, path, 7)
+    for where in (f"file://{path}", f"file://{tmp_path}"):
+        state, version = read_weights(where, expected_version=7)
+        assert version == 7 and state["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="holds policy version 7, expected 8"):
+        read_weights(f"file://{path}", expected_version=8)

@@ -12,7 +12,8 @@ Two formats:
   (tree-packed training needs an attention that honours a 4D mask). ``read_weights`` also takes such
   a folder and returns the tensors of all its safetensors files.
 
-``read_weights`` reads a local path, or any fsspec URL (``s3://bucket/campaign/policy/v3/model.safetensors``):
+``read_weights`` reads a local path, or any fsspec URL (``s3://bucket/campaign/policy/v3/model.safetensors``,
+``file://...``):
 an engine on another host loads a version from the campaign's object storage, read into memory (no
 local copy; S3 credentials and endpoint from the environment, ``AWS_ENDPOINT_URL`` for a non-AWS one).
 """
@@ -60,23 +61,32 @@ def read_weights(
     version in their metadata (None when there is none). With ``expected_version``, a file holding
     another version is refused (ValueError) before its tensors are read."""
     path = str(path)
-    if "://" in path and not path.startswith("file://"):
+    if "://" in path:
         return _read_remote_weights(path, expected_version)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
     if not files:
         raise FileNotFoundError(f"no *.safetensors under {path}")
-    version = None
+    metas = []
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            meta = handle.metadata() or {}
-        if VERSION_KEY in meta:
-            version = int(meta[VERSION_KEY])
-    if expected_version is not None and version != expected_version:
-        raise ValueError(f"{path} holds policy version {version}, expected {expected_version}")
+            metas.append(handle.metadata() or {})
+    version = _checked_version(metas, path, expected_version)
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
     return state, version
+
+
+def _checked_version(metas: list[dict[str, str]], where: str, expected: int | None) -> int | None:
+    """The policy version the files' metadata holds (the last file that names one); with ``expected``,
+    another one is refused."""
+    version = None
+    for meta in metas:
+        if VERSION_KEY in meta:
+            version = int(meta[VERSION_KEY])
+    if expected is not None and version != expected:
+        raise ValueError(f"{where} holds policy version {version}, expected {expected}")
+    return version
 
 
 def _safetensors_metadata(data: bytes, where: str) -> dict[str, str]:
@@ -103,13 +113,8 @@ def _read_remote_weights(
     if not files:
         raise FileNotFoundError(f"no *.safetensors under {url}")
     blobs = {file: fs.cat_file(file) for file in files}
-    version = None
-    for file, data in blobs.items():
-        meta = _safetensors_metadata(data, f"{url} ({file})")
-        if VERSION_KEY in meta:
-            version = int(meta[VERSION_KEY])
-    if expected_version is not None and version != expected_version:
-        raise ValueError(f"{url} holds policy version {version}, expected {expected_version}")
+    metas = [_safetensors_metadata(data, f"{url} ({file})") for file, data in blobs.items()]
+    version = _checked_version(metas, url, expected_version)
     state: dict[str, torch.Tensor] = {}
     for data in blobs.values():
         state.update(load_bytes(data))
