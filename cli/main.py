@@ -30,6 +30,7 @@
     gyre bench exploits [--graders KINDS]              every known exploit against every folder grader (reward integrity)
     gyre bench faults [--quick] [--only PARTS]         processes killed, misbehaving agents, gateway load: lost / duplicated work
     gyre bench hosts [--quick]                         beyond one machine: KV between two hosts over TCP vs re-prefill
+    gyre bench xlong [--quick]                         one execution touching up to 1M tokens: time and memory per stage
     gyre sim [--preset NAME] [--set KEY=VALUE ...]     one simulated comparison of the three policies, against the bound
 
 Every store command takes --data-root URL (default $GYRE_DATA_ROOT or ./gyre-data; s3://bucket/prefix
@@ -184,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hosts_bench.add_argument("--quick", action="store_true", help="8K tokens only, one round")
     hosts_bench.add_argument("--out", default="bench/results/hosts.json", help="where the figures go (JSON)")
+    xlong_bench = bench_commands.add_parser(
+        "xlong", help="one execution touching up to 1M tokens, end to end: time and peak memory per stage"
+    )
+    xlong_bench.add_argument("--quick", action="store_true", help="64K and 256K tokens touched (no 1M)")
+    xlong_bench.add_argument(
+        "--sizes", default="", help="tokens touched, comma-separated (default 64K,256K,1M)"
+    )
+    xlong_bench.add_argument("--out", default="bench/results/xlong.json", help="where the figures go (JSON)")
+    xlong_bench.add_argument(
+        "--only", default="", help="'snapshot': that stage alone for every size of --out, its rows replaced"
+    )
     faults = bench_commands.add_parser(
         "faults", help="faults and load on real processes: lost and duplicated work, recovery seconds"
     )
@@ -269,6 +281,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.hosts import main as bench_hosts
 
         return bench_hosts(quick=args.quick, out=args.out)
+    if args.command == "bench" and args.bench_command == "xlong":
+        from bench.xlong import main as bench_xlong
+
+        sizes = [int(size) for size in args.sizes.split(",") if size]
+        return bench_xlong(quick=args.quick, out=args.out, sizes=sizes or None, only=args.only)
     if args.command == "sim":
         return schedule.run_sim(args)
     if args.command == "bench" and args.bench_command == "train":

@@ -130,14 +130,46 @@ def store_workspace(
 
 
 # -- reading back ---------------------------------------------------------------------------------
+class BlobSource:
+    """The blobs a restore writes, one part in memory at a time: writing files in the order of
+    ``rank`` reads each part once; ``get`` serves a blob from the part read last (reading its part,
+    and checking its hash again, when it is another). ``peak_bytes``: the most blob bytes it held."""
+
+    def __init__(self, snapshots: SnapshotStore, shas: set[str]) -> None:
+        self.snapshots = snapshots
+        self.parts = snapshots.blob_parts(shas)
+        self.part_of = {sha: path for path, wanted in self.parts.items() for sha in wanted}
+        self._rank = {path: i for i, path in enumerate(self.parts)}
+        self._path: str | None = None
+        self._blobs: dict[str, bytes] = {}
+        self.peak_bytes = 0
+
+    def rank(self, sha: str | None) -> int:
+        """Position of the blob's part in reading order (-1: no blob)."""
+        return -1 if sha is None else self._rank[self.part_of[sha]]
+
+    def get(self, sha: str) -> bytes:
+        path = self.part_of[sha]
+        if path != self._path:
+            self._blobs = {}  # the previous part goes before the next one is read
+            self._blobs = self.snapshots.part_blobs(path, self.parts[path])
+            for key, data in self._blobs.items():  # checked before any write; again, as written
+                if hashlib.sha256(data).hexdigest() != key:
+                    raise UnsafeArchive(f"blob {key}: its bytes changed since they were checked")
+            self._path = path
+            self.peak_bytes = max(self.peak_bytes, sum(len(data) for data in self._blobs.values()))
+        return self._blobs[sha]
+
+
 def checked_contents(
     snapshots: SnapshotStore,
     entries: list[SnapshotEntry],
     max_bytes: int = MAX_EXTRACT_BYTES,
     max_members: int = MAX_EXTRACT_MEMBERS,
-) -> tuple[list[tarfile.TarInfo], list[str], dict[str, bytes]]:
+) -> tuple[list[tarfile.TarInfo], list[str], BlobSource]:
     """Checks a snapshot's rows as ``extract_snapshot`` checks a tar's members, then reads and
-    verifies their blobs: (members, cleaned names, sha256 -> bytes). Raises ``UnsafeArchive``."""
+    verifies their blobs, one part at a time (none is kept): (members, cleaned names, the source the
+    writing reads them from again). Raises ``UnsafeArchive``."""
     if len(entries) > max_members:
         raise UnsafeArchive(f"the snapshot holds more than {max_members} entries")
     members = [_member(e) for e in entries]
@@ -151,14 +183,36 @@ def checked_contents(
             raise UnsafeArchive(
                 f"entry {e.path!r}: declares {e.size} bytes, its blob holds {index[e.sha256][1]}"
             )
-    blobs = snapshots.read_blobs({e.sha256 for e in files})
-    for sha, data in blobs.items():
+    sizes = {e.sha256: e.size for e in files}
+    read: set[str] = set()
+    for sha, data in snapshots.iter_blobs(sizes):
         if hashlib.sha256(data).hexdigest() != sha:
             raise UnsafeArchive(f"blob {sha}: its bytes do not hash to its key")
+        if len(data) != sizes[sha]:
+            raise UnsafeArchive(f"blob {sha}: holds {len(data)} bytes, its entries declare {sizes[sha]}")
+        read.add(sha)
     for e in files:
-        if e.sha256 not in blobs or len(blobs[e.sha256]) != e.size:
+        if e.sha256 not in read:
             raise UnsafeArchive(f"entry {e.path!r}: its blob could not be read whole")
-    return members, names, blobs
+    return members, names, BlobSource(snapshots, set(sizes))
+
+
+def _write_from(
+    entries: list[SnapshotEntry],
+    members: list[tarfile.TarInfo],
+    names: list[str],
+    source: BlobSource,
+    dest: Path,
+) -> list[str]:
+    """write_members with the files in their blobs' part order, so each part is read once."""
+    sha_of = {e.path: e.sha256 for e in entries if e.kind == "file"}
+    order = sorted(range(len(members)), key=lambda i: source.rank(sha_of.get(members[i].name)))
+    return write_members(
+        [members[i] for i in order],
+        [names[i] for i in order],
+        dest,
+        lambda member: io.BytesIO(source.get(sha_of[member.name])),
+    )
 
 
 def _member(entry: SnapshotEntry) -> tarfile.TarInfo:
@@ -193,13 +247,8 @@ def materialise(
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise ValueError(f"materialise into a fresh folder: {dest} is not empty")
-    members, names, blobs = checked_contents(snapshots, entries, max_bytes, max_members)
-    return write_members(members, names, dest.resolve() if dest.exists() else dest, _opener(entries, blobs))
-
-
-def _opener(entries: list[SnapshotEntry], blobs: dict[str, bytes]):
-    sha_of = {e.path: e.sha256 for e in entries if e.kind == "file"}
-    return lambda member: io.BytesIO(blobs[sha_of[member.name]])
+    members, names, source = checked_contents(snapshots, entries, max_bytes, max_members)
+    return _write_from(entries, members, names, source, dest.resolve() if dest.exists() else dest)
 
 
 def sandbox_from_stored(
@@ -220,9 +269,9 @@ def sandbox_from_stored(
         extract_snapshot(data, sandbox.workspace, max_bytes, max_members)
         return sandbox
     stored = snapshots.read(uri)
-    members, names, blobs = checked_contents(snapshots, stored.entries, max_bytes, max_members)
+    members, names, source = checked_contents(snapshots, stored.entries, max_bytes, max_members)
     sandbox = Sandbox.create(root, name, limits=limits)
-    write_members(members, names, sandbox.workspace, _opener(stored.entries, blobs))
+    _write_from(stored.entries, members, names, source, sandbox.workspace)
     return sandbox
 
 
@@ -237,5 +286,8 @@ def export_snapshot(
     if uri.endswith(".tar.gz"):
         return read_snapshot(snapshots.store, uri)
     stored: StoredSnapshot = snapshots.read(uri)
-    _, _, blobs = checked_contents(snapshots, stored.entries, max_bytes, max_members)
+    checked_contents(snapshots, stored.entries, max_bytes, max_members)
+    blobs = snapshots.read_blobs(
+        {e.sha256 for e in stored.entries if e.kind == "file"}
+    )  # the tar is in memory anyway
     return tar_from_entries(stored.entries, lambda e: io.BytesIO(blobs[e.sha256]))

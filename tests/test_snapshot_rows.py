@@ -415,3 +415,31 @@ def test_an_exported_tar_extracts_with_the_tar_checks(tmp_path):
     )
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         assert {m.mtime for m in tar.getmembers()} == {0}
+
+
+class CountingSnapshots(SnapshotStore):
+    """The real store, counting the blob bytes each part read hands over (a spy, not a stand-in)."""
+
+    reads: list[tuple[str, int]]
+
+    def part_blobs(self, path: str, wanted: list[str]) -> dict[str, bytes]:
+        blobs = super().part_blobs(path, wanted)
+        self.reads.append((path, sum(len(data) for data in blobs.values())))
+        return blobs
+
+
+def test_a_restore_holds_one_blob_part_at_a_time(tmp_path):
+    # 12 files of 40 KB in parts of at most 100 KB: 6 parts; a restore must never hold them all
+    files = {f"src/module_{i}.bin": bytes([i]) * 40_000 for i in range(12)}
+    ws = workspace(tmp_path, "ws", files)
+    store = Store(StoreConfig(data_root=str(tmp_path / "store"), campaign="c"))
+    uri = store_workspace(SnapshotStore(store, blob_part_bytes=100_000), 0, "e1", ws, problem_id="p")
+    snapshots = CountingSnapshots(store)
+    snapshots.reads = []
+    written = materialise(snapshots, snapshots.read(uri).entries, tmp_path / "restored")
+    assert files_under(tmp_path / "restored") == files_under(ws) and written
+    parts = {path for path, _ in snapshots.reads}
+    assert len(parts) >= 5
+    assert max(held for _, held in snapshots.reads) <= 100_000
+    # each part read twice: once to check every blob before anything is written, once to write
+    assert sorted(path for path, _ in snapshots.reads) == sorted(list(parts) * 2)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engines.train import tree_attention
 from engines.train.tree import ancestor_mask, attention_bias, target_logprobs
 from engines.train.tree_attention import TREE_ATTENTION, build_plan, subtree_sizes, tree_attention_forward
 from tests.train_fixtures import packed_batch, tiny_model
@@ -48,8 +52,11 @@ def dense_attention(query, key, value, parents):
     length=st.integers(1, 300),
     block_size=st.sampled_from([1, 7, 32, 128, 1024]),
     p_root=st.sampled_from([0.0, 0.02, 0.2]),
+    fused=st.booleans(),
 )
-def test_block_attention_equals_the_dense_mask(seed, length, block_size, p_root):
+def test_block_attention_equals_the_dense_mask(seed, length, block_size, p_root, fused):
+    """Both paths: torch's fused CPU kernel per block, and the portable one in torch operations with
+    its keys in tiles of 5 (so a block spans several tiles)."""
     parents = random_preorder_parents(seed, length, p_root=p_root)
     plan = build_plan(parents, block_size=block_size)
     dense = ancestor_mask(parents)
@@ -65,11 +72,18 @@ def test_block_attention_equals_the_dense_mask(seed, length, block_size, p_root)
         for heads in (4, 2, 2)
     )
     plan64 = build_plan(parents, block_size=block_size, dtype=torch.float64)
-    blocks, _ = tree_attention_forward(torch.nn.Module(), query, key, value, plan64)
-    reference = dense_attention(query, key, value, parents)
-    torch.testing.assert_close(blocks, reference, atol=1e-12, rtol=1e-10)
-    upstream = torch.randn(reference.shape, generator=generator, dtype=torch.float64)
-    grads = torch.autograd.grad((blocks * upstream).sum(), (query, key, value))
+    # module constants: which of the two real paths runs (nothing is stood in for)
+    path = (
+        contextlib.nullcontext()
+        if fused
+        else mock.patch.multiple(tree_attention, _CPU_FORWARD=None, KEY_TILE=5)
+    )
+    with path:
+        blocks, _ = tree_attention_forward(torch.nn.Module(), query, key, value, plan64)
+        reference = dense_attention(query, key, value, parents)
+        torch.testing.assert_close(blocks, reference, atol=1e-12, rtol=1e-10)
+        upstream = torch.randn(reference.shape, generator=generator, dtype=torch.float64)
+        grads = torch.autograd.grad((blocks * upstream).sum(), (query, key, value))
     reference_grads = torch.autograd.grad((reference * upstream).sum(), (query, key, value))
     for got, expected in zip(grads, reference_grads, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
@@ -81,6 +95,24 @@ def test_block_work_follows_the_depths_not_the_square():
     assert plan.allowed_pairs == int(ancestor_mask(parents).sum())
     assert plan.computed_pairs < 0.5 * 2000**2  # less than the causal triangle, let alone the square
     assert plan.density > 0.7
+
+
+def test_the_backward_keeps_what_the_sequence_holds_not_what_the_blocks_read():
+    # one path of 2000 tokens in blocks of 16: the blocks read sum(depth) ~ 125K keys per head, and
+    # a kernel that kept them for the backward would hold 60x what the sequence has
+    length, heads, kv_heads, dim = 2000, 4, 2, 8
+    parents = np.arange(-1, length - 1)
+    plan = build_plan(parents, block_size=16)
+    assert sum(plan.key_sizes) > 60 * length
+    query = torch.randn(1, heads, length, dim, requires_grad=True)
+    key, value = (torch.randn(1, kv_heads, length, dim, requires_grad=True) for _ in range(2))
+    out, _ = tree_attention_forward(torch.nn.Module(), query, key, value, plan)
+    node = out.grad_fn  # the output's contiguous copy, then its transpose, then the kernel
+    while not hasattr(node, "saved_tensors"):
+        node = node.next_functions[0][0]
+    saved = sum(t.numel() for t in node.saved_tensors)
+    # queries, keys, values, output, and one log-sum-exp per query row
+    assert saved == length * (heads * dim + 2 * kv_heads * dim + heads * dim + heads)
 
 
 def test_layouts_the_kernel_cannot_handle_are_refused():

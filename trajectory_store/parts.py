@@ -76,6 +76,10 @@ def bare_connection(store: Store, *, threads: int | None = None) -> duckdb.DuckD
     config = {"autoinstall_known_extensions": "false", "autoload_known_extensions": "false"}
     if threads:
         config["threads"] = str(threads)
+    if store.config.duckdb_memory_limit:
+        config["memory_limit"] = store.config.duckdb_memory_limit.strip()
+    if store.config.duckdb_temp_directory:
+        config["temp_directory"] = store.config.duckdb_temp_directory
     con = duckdb.connect(":memory:", config=config)
     if not store.is_local:
         # s3:// (and any other fsspec protocol) is read through the store's own filesystem object,

@@ -29,7 +29,7 @@ import hashlib
 import io
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -155,19 +155,26 @@ class SnapshotStore:
 
     def read_blobs(self, shas: Iterable[str]) -> dict[str, bytes]:
         """The stored bytes of these blobs (a sha256 the store lacks is absent from the result)."""
+        return dict(self.iter_blobs(shas))
+
+    def blob_parts(self, shas: Iterable[str]) -> dict[str, list[str]]:
+        """The blobs' parts (sorted) and, per part, the wanted sha256s it holds (unknown ones left out)."""
         index = self.blob_index()
         by_part: dict[str, list[str]] = {}
-        for sha in set(shas):
+        for sha in sorted(set(shas)):
             if sha in index:
                 by_part.setdefault(index[sha][0], []).append(sha)
-        found: dict[str, bytes] = {}
-        for path, wanted in sorted(by_part.items()):
-            table = self._read_parquet(path, columns=["sha256", "data"], filters=[("sha256", "in", wanted)])
-            for sha, data in zip(
-                table.column("sha256").to_pylist(), table.column("data").to_pylist(), strict=True
-            ):
-                found[sha] = data
-        return found
+        return dict(sorted(by_part.items()))
+
+    def part_blobs(self, path: str, wanted: list[str]) -> dict[str, bytes]:
+        """The wanted blobs of one part: at most one part's contents in memory."""
+        table = self._read_parquet(path, columns=["sha256", "data"], filters=[("sha256", "in", wanted)])
+        return dict(zip(table.column("sha256").to_pylist(), table.column("data").to_pylist(), strict=True))
+
+    def iter_blobs(self, shas: Iterable[str]) -> Iterator[tuple[str, bytes]]:
+        """(sha256, bytes) of these blobs, one part read at a time (a sha256 the store lacks is skipped)."""
+        for path, wanted in self.blob_parts(shas).items():
+            yield from self.part_blobs(path, wanted).items()
 
     def _read_parquet(self, path: str, columns: list[str], filters=None) -> pa.Table:
         try:

@@ -74,6 +74,16 @@ class StoreConfig(BaseModel):
     aws_region: str | None = Field(None, description="default: AWS_DEFAULT_REGION")
     vocab_size: int | None = Field(None, description="token ids must be below this; None: any int32 >= 0")
     compression: str = Field("zstd", description="Parquet compression codec")
+    duckdb_memory_limit: str | None = Field(
+        None,
+        pattern=r"^\s*\d+(\.\d+)?\s*([KMGT]i?B|B)\s*$",
+        description="DuckDB's memory_limit for the trees, selection and packing queries (e.g. '2GB'): "
+        "beyond it DuckDB spills to duckdb_temp_directory instead of growing. None: DuckDB's default "
+        "(80% of the machine's memory)",
+    )
+    duckdb_temp_directory: str | None = Field(
+        None, description="where DuckDB spills past its memory_limit (None: DuckDB's default, .tmp here)"
+    )
 
     def storage_options(self) -> dict[str, Any]:
         if not self.data_root.startswith("s3://"):
