@@ -178,3 +178,25 @@ def test_an_unknown_kernel_is_refused(tmp_path):
     batch = packed_batch(str(tmp_path), seed=1)
     with pytest.raises(ValueError, match="unknown tree attention kernel"):
         target_logprobs(tiny_model(0), batch.sequences[0], kernel="flash")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_bfloat16_runs_both_paths_close_to_float32(fused):
+    # the core trains in bf16 (DeepSpeed): the fused kernel's log-sum-exp stays float32 whatever
+    # the queries' dtype, and the portable path takes it back
+    parents = random_preorder_parents(3, 300)
+    generator = torch.Generator().manual_seed(3)
+    q32, k32, v32 = (torch.randn(1, h, 300, 16, generator=generator, requires_grad=True) for h in (4, 2, 2))
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q32, k32, v32))
+    path = contextlib.nullcontext() if fused else mock.patch.object(tree_attention, "_CPU_FORWARD", None)
+    with path:
+        out, _ = tree_attention_forward(
+            torch.nn.Module(), q, k, v, build_plan(parents, block_size=64, dtype=torch.bfloat16)
+        )
+        out.float().sum().backward()
+    reference = dense_attention(q32, k32, v32, parents)
+    reference.sum().backward()
+    torch.testing.assert_close(out.float(), reference, atol=0.06, rtol=0)
+    for low, high in ((q, q32), (k, k32), (v, v32)):
+        assert low.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(low.grad.float(), high.grad, atol=0.12, rtol=0)

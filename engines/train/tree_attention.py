@@ -181,7 +181,10 @@ class _BlockAttention(torch.autograd.Function):
         group = heads // kv_heads
         fused = query.device.type == "cpu" and _CPU_FORWARD is not None
         out = torch.empty_like(query)
-        lse = torch.empty(query.shape[:3], dtype=query.dtype, device=query.device)  # [1, H, T]
+        # [1, H, T], at least float32 (the fused kernel's log-sum-exp is float32 for bf16 queries)
+        lse = torch.empty(
+            query.shape[:3], dtype=torch.promote_types(query.dtype, torch.float32), device=query.device
+        )
         for start in plan.starts:
             keys, allowed = plan.block_keys(start)
             rows = len(allowed)
@@ -268,6 +271,7 @@ def _tiled_forward(q, key, value, keys, allowed, group, scale):
 
 def _tiled_backward(q, do, o, lse, key, value, keys, allowed, group, scale):
     """The gradients of one block: (dq [1, Hk, g * B, D], dk and dv [1, Hk, K, D] by key)."""
+    lse = lse.to(q.dtype)
     delta = (do * o).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
     dq = torch.zeros_like(q)
     dk = key.new_zeros((1, key.shape[1], len(keys), key.shape[3]))
