@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import Any
 from urllib.parse import urlsplit
+
+KEEP_ALIVE_S = 75
+"""How long our HTTP servers keep an idle connection open. uvicorn's default (5 s) equals httpx's client
+keep-alive (5 s): a client that reuses a connection at the moment the server closes it gets
+httpx.ReadError (or "server disconnected") on a request the server never read. Longer on the server side,
+the client always lets go first."""
+
+
+def serve_http(app: Any, host: str, port: int) -> None:
+    """Runs ``app`` under uvicorn until it is stopped, as every gyrerl server does (KEEP_ALIVE_S)."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -31,7 +31,7 @@ import uvicorn
 from transformers import Qwen2ForCausalLM
 
 from engines.admin import AdminClient
-from engines.net import free_port
+from engines.net import KEEP_ALIVE_S, free_port
 from environments.gateway_admin import EXECUTIONS, finish_path
 from tests.test_rollout_fixtures import (
     one_cpu_thread,  # noqa: F401  (re-exported for the gateway tests)
@@ -140,7 +140,9 @@ def serving(app, *, port: int | None = None):
     """Runs an ASGI app with uvicorn in a thread on a loopback port; yields (url, server)."""
     if port is None:
         port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

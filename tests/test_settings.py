@@ -204,3 +204,41 @@ def test_local_stack_hands_each_process_its_config_as_json(tiny_model, tmp_path)
     assert not [
         line for line in command_lines if stack.admin_token in line or stack.engine_admin_token in line
     ]
+
+
+def _reuse_after_idle(url: str, idle_s: float) -> bytes:
+    """Sends GET /health on one connection, waits ``idle_s``, sends it again there: the second answer."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    request = f"GET /health HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode()
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(idle_s)
+        try:
+            sock.sendall(request)
+            return sock.recv(65536)
+        except OSError:  # the server closed it
+            return b""
+
+
+@pytest.mark.slow
+def test_the_servers_keep_an_idle_connection_longer_than_a_client_does(tiny_model, tmp_path):
+    # httpx lets go of an idle connection after 5 s; a server that closes at the same 5 s races it and the
+    # client's next request on that connection fails with ReadError (seen once in the elastic controller)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engines.net import KEEP_ALIVE_S
+    from tasks.services.stack import local_stack
+    from trajectory_store.storage import StoreConfig
+
+    client_keep_alive = httpx.Limits().keepalive_expiry
+    assert 2 * client_keep_alive < KEEP_ALIVE_S
+    with local_stack(tiny_model, StoreConfig(data_root=str(tmp_path / "data")), engines=1) as stack:
+        urls = [stack.gateway_url, *stack.engine_urls]
+        with ThreadPoolExecutor(len(urls)) as pool:
+            answers = list(pool.map(lambda url: _reuse_after_idle(url, client_keep_alive + 1.5), urls))
+    assert all(answer.startswith(b"HTTP/1.1 200") for answer in answers), answers

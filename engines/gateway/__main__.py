@@ -15,6 +15,7 @@ import sys
 
 from engines.gateway import settings
 from engines.gateway.config import GatewayConfig
+from engines.net import serve_http
 from engines.options import parse_config
 
 
@@ -26,8 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(config: GatewayConfig) -> None:
     """Serves until interrupted: the start banner and (with config.access_log) the access log on stderr."""
-    import uvicorn
-
     from engines.gateway.app import create_app
     from engines.gateway.service import Gateway
 
@@ -39,7 +38,7 @@ def serve(config: GatewayConfig) -> None:
         access.setLevel(logging.INFO)
         access.propagate = False
     app = create_app(Gateway(config), banner=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    serve_http(app, config.host, config.port)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -82,6 +82,7 @@ from engines.admin import (
 from engines.auth import bearer_guard, error_response
 from engines.devices import settings as devices
 from engines.model.weights import read_weights
+from engines.net import serve_http
 from engines.options import parse_config
 from engines.protocol import (
     ChoiceLogprobs,
@@ -349,8 +350,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(config: EngineServerConfig) -> None:
     """Loads the model, prints the start banner on stderr and serves until interrupted."""
-    import uvicorn
-
     devices.enter_cell()  # its cell's cores and threads, before the model and the loop's threads
     engine = RolloutEngine(config.model, config.engine_config())
     app = create_app(engine, admin_token=config.admin_token, model_name=config.served_model_name)
@@ -361,7 +360,7 @@ def serve(config: EngineServerConfig) -> None:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    serve_http(app, config.host, config.port)
 
 
 def banner(engine: RolloutEngine, url: str, model: str, *, admin: bool) -> str:

@@ -59,7 +59,7 @@ from engines.admin import (
 )
 from engines.auth import bearer_guard, error_response
 from engines.devices import settings as devices
-from engines.net import free_port
+from engines.net import free_port, serve_http
 from engines.options import parse_config
 from engines.protocol import EngineCompletion, EngineCompletionRequest, GyreChoice, ModelCard, ModelList
 from engines.vllm import settings
@@ -331,10 +331,8 @@ def config_from_args(args: argparse.Namespace) -> VllmServerConfig:
 
 
 def serve(config: VllmServerConfig) -> None:
-    import uvicorn
-
     devices.enter_cell(torch_threads=False)  # its cell's cores: vLLM inherits them (process.py)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+    serve_http(create_app(config), config.host, config.port)
 
 
 def main(argv: list[str] | None = None) -> None:
