@@ -95,6 +95,8 @@ class RealWork:
     problems_per_step: int
     group_size: int
     seed: int
+    temperature: float = 1.0  # the harness's sampling temperature (held-out runs: greedy)
+    sessions_per_cell: int = SESSIONS_PER_CELL  # executions a rollout cell runs at once
 
     def steps_work(self) -> list[StepWork]:
         return [
@@ -107,7 +109,17 @@ class RealWork:
         ]
 
 
-def dispatch_config(group_size: int, run_id: str) -> DispatchConfig:
+# The workloads `--workload` chooses (compare's steps and seed are the same for each):
+# default: the campaign's (groups of 2 at temperature 1.0, where about one group in eight has a signal);
+# signal: more of the groups carry a signal, so a step trains 5-8x the tokens (groups of 4 at
+# temperature 1.5, 6 executions a cell at once): experiments.md, 2026-12-06
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "default": {"problems_per_step": 8, "group_size": 2},
+    "signal": {"problems_per_step": 8, "group_size": 4, "temperature": 1.5, "sessions_per_cell": 6},
+}
+
+
+def dispatch_config(group_size: int, run_id: str, temperature: float = 1.0) -> DispatchConfig:
     return DispatchConfig(
         group_size=group_size,
         run_id=run_id,  # one gateway serves every policy: execution ids must differ between them
@@ -115,7 +127,7 @@ def dispatch_config(group_size: int, run_id: str) -> DispatchConfig:
         concurrency=1,  # the controller starts each execution itself
         timeout_s=120,
         durations=DURATIONS,
-        harness=HarnessConfig(max_tokens=MAX_TOKENS, max_retries=1, max_subagents=0, temperature=1.0),
+        harness=HarnessConfig(max_tokens=MAX_TOKENS, max_retries=1, max_subagents=0, temperature=temperature),
     )
 
 
@@ -209,7 +221,7 @@ class RealBench:
         runtime = CampaignRuntime(
             services,
             StoreConfig(data_root=self.store.data_root, campaign=campaign),
-            dispatch_config(work.group_size, label),
+            dispatch_config(work.group_size, label, work.temperature),
             SelectionConfig(),
             PackingConfig(token_budget=8192, advantage="grpo"),
             TrainerConfig(lr=1e-4),
@@ -219,7 +231,7 @@ class RealBench:
             trainer_cell=self.core_cell(),
         )
         controller = Controller(
-            make_policy(policy, **params), self.pool, runtime, sessions_per_cell=SESSIONS_PER_CELL
+            make_policy(policy, **params), self.pool, runtime, sessions_per_cell=work.sessions_per_cell
         )
         used_before, window_started = self.pool.cpu_usage_s(), time.perf_counter()
         host_before = self.stack.partition.host_usage_s()
@@ -330,6 +342,7 @@ class RealBench:
         return MeasuredRun(
             policy=label,
             group_size=work.group_size,
+            sessions_per_cell=work.sessions_per_cell,
             executions=steps,
             makespan_s=figures["makespan_s"],
             post_rollout_s=[s["ended_s"] - s["rolled_out_s"] for s in figures["steps"]],
@@ -376,7 +389,11 @@ def sim_check(measured: dict[str, list[MeasuredRun]]) -> tuple[Preset, dict[str,
         else None
     )
     machine = calibrate(
-        measured["calibration"][0], make_policy("colocate"), CELLS, SESSIONS_PER_CELL, streaming=streaming
+        measured["calibration"][0],
+        make_policy("colocate"),
+        CELLS,
+        measured["calibration"][0].sessions_per_cell,
+        streaming=streaming,
     )
     sim_vs_real = {}
     for label, (policy, params) in POLICIES.items():
@@ -463,6 +480,7 @@ def compare(
     rounds: int | None = None,
     measured_out: str | None = None,
     partition: Literal["cgroup", "none"] = "cgroup",
+    workload: str = "default",
 ) -> dict[str, Any]:
     """Every policy of POLICIES on the same work and cells, `rounds` times in turn (colocate, async,
     elastic, colocate, ...), then the simulator calibrated on a colocate and an async run of other problems
@@ -472,7 +490,8 @@ def compare(
     so `python -m bench.schedule_real --measured FILE` checks the simulator against them again.
     ``partition``: 'cgroup' (each cell owns its CPU share) or 'none' (the cells share the cores)."""
     rounds = rounds or (1 if quick else ROUNDS)
-    work = RealWork(steps=2 if quick else 3, problems_per_step=6 if quick else 8, group_size=2, seed=7000)
+    shape = {**WORKLOADS[workload], **({"problems_per_step": 6} if quick else {})}
+    work = RealWork(steps=2 if quick else 3, seed=7000, **shape)
     calibration_work = dataclasses.replace(work, seed=CALIBRATION_SEED)
     own = root is None
     root = root or tempfile.mkdtemp(prefix="gyre-schedule-real-")
@@ -544,7 +563,9 @@ def compare(
             "seed": work.seed,
             "calibration_seed": CALIBRATION_SEED,
             "cells": CELLS,
-            "sessions_per_cell": SESSIONS_PER_CELL,
+            "workload": workload,
+            "temperature": work.temperature,
+            "sessions_per_cell": work.sessions_per_cell,
             "durations": DURATIONS.__dict__,
             "max_tokens": MAX_TOKENS,
             "host_cores": HOST_CORES if partitioned else None,
@@ -620,6 +641,16 @@ def main() -> int:
         help="cgroup: each cell owns its CPU share (a cgroup quota; needs root); none: the cells share the cores",
     )
     parser.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        default="default",
+        help="default: the campaign's groups of 2; signal: groups of 4 at temperature 1.5, 6 executions "
+        "a cell, so that more groups carry a signal and a step trains more",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help=f"runs of each policy (default {ROUNDS}; quick 1)"
+    )
+    parser.add_argument(
         "--measured", default=None, help="no runs: check the simulator against the runs saved in this file"
     )
     parser.add_argument(
@@ -647,7 +678,13 @@ def main() -> int:
         }
         print(json.dumps({**fitted, "sim_vs_real": checked}, indent=1))
         return 0
-    figures = compare(args.quick, measured_out=args.measured_out, partition=args.partition)
+    figures = compare(
+        args.quick,
+        rounds=args.rounds,
+        measured_out=args.measured_out,
+        partition=args.partition,
+        workload=args.workload,
+    )
     print(json.dumps({k: v for k, v in figures.items() if k != "policies"}, indent=1))
     if args.out:
         with open(args.out, "w") as handle:

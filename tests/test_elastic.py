@@ -13,7 +13,7 @@ import pytest
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.satellite import start_satellites
-from tests.train_fixtures import load_float32, policy_and_batch, reference_step
+from tests.train_fixtures import load_float32, policy_and_batch, reference_step, update_rel_diff
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +26,6 @@ def setup(tmp_path_factory, one_thread):
     weights_dir = str(root / "fast")
     os.makedirs(weights_dir)
     return {"batch_uri": batch_uri, **reference_step(model_dir, batch, batch_uri, weights_dir)}
-
-
-def _update_diff(weights, setup) -> float:
-    """|| update - reference update || / || reference update || over all parameters."""
-    num = den = 0.0
-    for name, ref in setup["reference"].items():
-        update = weights[name] - setup["initial"][name]
-        ref_update = ref - setup["initial"][name]
-        num += float((update - ref_update).double().pow(2).sum())
-        den += float(ref_update.double().pow(2).sum())
-    return (num / den) ** 0.5
 
 
 def _run(setup, satellites: list[dict], pace_s: float):
@@ -86,7 +75,7 @@ def test_satellites_joining_give_the_same_update(setup, satellites):
     assert sorted(i for ids in report.by_participant.values() for i in ids) == list(range(n))
     assert len(report.members) == 1 + len(specs), report
     assert all(report.by_participant[sid] for sid in report.members[1:]), report.by_participant
-    diff = _update_diff(core.weights(), setup)
+    diff = update_rel_diff(core.weights(), setup)
     print(f"update rel diff {diff:.3e}")
     assert diff <= 1e-4  # Adam's first step amplifies rounding: tests/test_streaming.py says why
     assert report.metrics()["tokens_trained"] == setup["batch"].n_target_tokens
@@ -99,6 +88,6 @@ def test_a_satellite_killed_mid_step_loses_nothing(setup):
     assert sorted(i for ids in report.by_participant.values() for i in ids) == list(
         range(report.micro_batches)
     )
-    diff = _update_diff(core.weights(), setup)
+    diff = update_rel_diff(core.weights(), setup)
     print(f"update rel diff {diff:.3e}")
     assert diff <= 1e-4  # Adam's first step amplifies rounding: tests/test_streaming.py says why

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from bench.netns import cut_off, engine_on, hosts
 from engines.model.tokenizer import save_tokenizer
@@ -248,3 +249,128 @@ def test_weights_read_from_a_url_are_version_checked_like_a_local_file(tmp_path)
         assert version == 7 and state["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="holds policy version 7, expected 8"):
         read_weights(f"file://{path}", expected_version=8)
+
+
+def test_satellites_on_other_hosts_join_and_leave_a_step_and_the_update_is_the_one_process_update(
+    tmp_path, monkeypatch
+):
+    """The core in the root namespace, a satellite process on each of two hosts (namespaces). Both
+    pull the step's weights from object storage (S3, a moto server on the hosts' network), not the
+    core's file; the batch is read from there too. The one on h1 trains to the end and joins the gloo
+    reduction from its own address; the one on h2 leaves after one micro-batch and hands its gradient
+    sum over through S3. Every micro-batch counts once and the update is the core's alone."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+    import fsspec
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from bench.netns import root_address
+    from engines.net import free_port
+    from engines.train.core import CoreTrainer
+    from engines.train.elastic import ElasticCoordinator
+    from engines.train.elastic_protocol import ElasticConfig
+    from tests.train_fixtures import load_float32, policy_and_batch, reference_step, update_rel_diff
+
+    model_dir, batch, local_uri = policy_and_batch(tmp_path, 5, 11, n_executions=10, budget=16)
+    n, n_executions = len(batch.sequences), len(batch.advantages)
+    weights_dir = str(tmp_path / "fast")
+    os.makedirs(weights_dir)
+    setup = reference_step(model_dir, batch, local_uri, weights_dir)
+    with hosts(["h1", "h2"]) as (h1, h2):
+        assert h1.netns is not None  # root here: each satellite's host is a namespace of its own
+        core_address = root_address(h1)
+        port = free_port(core_address)
+        s3 = ThreadedMotoServer(ip_address=core_address, port=port)
+        s3.start()
+        endpoint = f"http://{core_address}:{port}"
+        credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        credentials.update(AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
+        fs = fsspec.filesystem(
+            "s3",
+            client_kwargs={"endpoint_url": endpoint},
+            key="testing",
+            secret="testing",
+            skip_instance_cache=True,
+        )
+        for key, value in credentials.items():  # the core's S3 environment, as the satellites have it
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # no client made before with another endpoint
+        satellites = []
+        try:
+            boto3.client("s3", endpoint_url=endpoint, **_boto(credentials)).create_bucket(Bucket="campaigns")
+            with (
+                fs.open("campaigns/run/step0/chunk0.parquet", "wb") as handle,
+                open(local_uri, "rb") as source,
+            ):
+                handle.write(source.read())
+            batch_uri = "s3://campaigns/run/step0/chunk0.parquet"
+            core = CoreTrainer(load_float32(model_dir), setup["config"])
+            coordinator = ElasticCoordinator(
+                core, host=core_address, config=ElasticConfig(address=core_address)
+            )
+            env = {**os.environ, "OMP_NUM_THREADS": "1", **credentials}
+            for host, extra in [(h1, []), (h2, ["--leave-after", "1"])]:
+                command = [sys.executable, "-m", "engines.train.satellite", "--host", core_address]
+                command += ["--port", str(coordinator.port), "--step", "0", "--model", model_dir]
+                command += ["--address", host.address, *extra]
+                satellites.append(
+                    subprocess.Popen(host.command(command), env=env, stdout=subprocess.PIPE, text=True)
+                )
+            share = "s3://campaigns/run/fast"
+            opened = coordinator.open_step(
+                0, weights_dir=weights_dir, n_executions=n_executions, share_url=share
+            )
+            deadline = time.monotonic() + 180
+            while opened.store.add("joined", 0) < len(satellites):  # both have joined: the step starts
+                assert time.monotonic() < deadline, "the satellites did not join within 180 s"
+                assert all(p.poll() is None for p in satellites), "a satellite ended before joining"
+                time.sleep(0.1)
+            opened.append(batch_uri, n_executions, sequences=batch.sequences)
+            opened.close(n_executions)
+            report = opened.train(pace_s=0.3)
+            outputs = [p.communicate(timeout=120)[0] for p in satellites]
+            left_over = fs.ls("campaigns/run/fast")
+        finally:
+            for process in satellites:
+                if process.poll() is None:
+                    process.kill()
+            s3.stop()
+            s3fs.S3FileSystem.clear_instance_cache()
+    assert [p.returncode for p in satellites] == [0, 0], outputs
+    stayed, left = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
+    assert stayed["weights"] == left["weights"] == f"{share}/step0-v0.safetensors"  # not the core's file
+    assert stayed["member"] and stayed["micro_batches"] and not stayed["left"]
+    assert left["left"] and left["micro_batches"] == report.by_participant[left["sid"]]
+    assert report.members == [0, stayed["sid"]]  # the gloo reduction spanned the root and h1
+    assert sorted(i for ids in report.by_participant.values() for i in ids) == list(range(n))
+    assert not report.recomputed and not report.dead
+    assert left_over == ["campaigns/run/fast/step0-v0.safetensors"]  # the hand-off was added, then deleted
+    assert update_rel_diff(core.weights(), setup) <= 1e-4  # Adam's first step amplifies rounding
+
+
+def test_a_satellite_on_another_host_reads_the_share_url_and_refuses_a_step_without_one(tmp_path):
+    from engines.model.weights import save_weights
+    from engines.train.satellite import pull_weights
+    from tests.test_rollout_fixtures import perturbed_state, tiny_policy
+
+    state = perturbed_state(tiny_policy(), seed=3)
+    local, shared = str(tmp_path / "core" / "w.safetensors"), f"file://{tmp_path}/share/w.safetensors"
+    save_weights(state, local, 4)
+    save_weights(state, shared, 4)
+    meta = {"core_address": "10.0.0.1", "weights": local, "weights_url": shared, "version": 4}
+    assert pull_weights(meta, None)[2] == local  # on the core's host (the default)
+    assert pull_weights(meta, "10.0.0.1")[2] == local
+    weights, version, source = pull_weights(meta, "10.0.0.2")
+    assert (
+        source == shared and version == 4 and torch.equal(weights["lm_head.weight"], state["lm_head.weight"])
+    )
+    with pytest.raises(ValueError, match=r"on another host than the core .* no share URL"):
+        pull_weights({**meta, "weights_url": None}, "10.0.0.2")
+    with pytest.raises(ValueError, match="expected 5"):
+        pull_weights({**meta, "version": 5}, "10.0.0.2")

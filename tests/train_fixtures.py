@@ -120,3 +120,15 @@ def reference_step(model_dir: str, batch: PackedBatch, batch_uri: str, weights_d
         "reference_grad": core.last_grad.clone(),
         "reference_report": report,
     }
+
+
+def update_rel_diff(weights: dict[str, torch.Tensor], setup: dict[str, Any]) -> float:
+    """|| update - reference update || / || reference update || over all parameters (``setup``: what
+    reference_step returned)."""
+    num = den = 0.0
+    for name, ref in setup["reference"].items():
+        update = weights[name] - setup["initial"][name]
+        ref_update = ref - setup["initial"][name]
+        num += float((update - ref_update).double().pow(2).sum())
+        den += float(ref_update.double().pow(2).sum())
+    return (num / den) ** 0.5

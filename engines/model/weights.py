@@ -20,6 +20,7 @@ local copy; S3 credentials and endpoint from the environment, ``AWS_ENDPOINT_URL
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -39,9 +40,39 @@ VERSION_KEY = "version"  # the safetensors metadata key of a policy version
 
 
 def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, version: int) -> None:
-    """Writes ``state`` as policy ``version``: tied tensors (lm_head = embeddings) once, atomically."""
+    """Writes ``state`` as policy ``version``: tied tensors (lm_head = embeddings) once, atomically.
+    ``path`` may be an fsspec URL (one whole-object write: S3 shows it complete or not at all)."""
     path = str(path)
+    unique = _unique_tensors(state)
+    if "://" in path:
+        import fsspec
+        from safetensors.torch import save as save_bytes
+
+        fs, root = fsspec.core.url_to_fs(path)
+        fs.makedirs(fs._parent(root), exist_ok=True)
+        fs.pipe_file(root, save_bytes(unique, metadata={VERSION_KEY: str(version)}))
+        return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file(unique, tmp, metadata={VERSION_KEY: str(version)})
+    os.replace(tmp, path)
+
+
+def remove_file(path: str) -> None:
+    """Deletes a weights file (a local path or an fsspec URL); one already gone is fine."""
+    if "://" not in path:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(root)
+
+
+def _unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor that shares storage with an earlier one left out, contiguous, on the CPU."""
     unique = {}
     seen: set[int] = set()
     for name, tensor in state.items():
@@ -49,9 +80,7 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, versio
             continue
         seen.add(tensor.data_ptr())
         unique[name] = tensor.detach().contiguous().cpu()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(unique, tmp, metadata={VERSION_KEY: str(version)})
-    os.replace(tmp, path)
+    return unique
 
 
 def read_weights(

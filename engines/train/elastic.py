@@ -43,16 +43,14 @@ once): the two updates agree to about 1e-7 relative, not bitwise.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
-from safetensors.torch import load_file
 
-from engines.model.weights import save_weights
+from engines.model.weights import read_weights, remove_file, save_weights
 from engines.train.core import CoreTrainer
 from engines.train.elastic_protocol import (
     CORE,
@@ -150,13 +148,16 @@ class ElasticCoordinator:
         n_executions: int | None = None,
         deadline_s: float | None = None,
         final: bool = True,
+        share_url: str | None = None,
     ) -> StreamingStep:
         """Opens a step whose micro-batches will arrive later (``StreamingStep``). ``n_executions``,
         when known now, is the normalizer (then each micro-batch is divided by it, as run_step
         does); ``deadline_s`` after opening, the core closes the step with what has arrived.
         ``final`` False: the update is one of several of the step (TrainerConfig.mini_batches), and
-        makes no new version."""
-        return StreamingStep(self, step, weights_dir, n_executions, deadline_s, final)
+        makes no new version. ``share_url``: a folder every participant can read and write (the
+        campaign's object storage), for satellites on other hosts: the step's weights are written
+        there too, and a satellite that leaves hands its gradient sum over there."""
+        return StreamingStep(self, step, weights_dir, n_executions, deadline_s, final, share_url)
 
     def run_step(
         self,
@@ -169,13 +170,16 @@ class ElasticCoordinator:
         pace_s: float = 0.0,
         on_micro_batch: Callable[[int], None] | None = None,
         final: bool = True,
+        share_url: str | None = None,
     ) -> StepReport:
         """One elastic step over ``sequences`` (also readable by satellites at ``batch_uri``): a
         streaming step whose batch is one chunk, closed at once.
 
         ``pace_s`` slows the core down per micro-batch (tests and benchmarks use it so that
-        satellites have something left to take); ``final`` as in ``open_step``."""
-        opened = self.open_step(step, weights_dir=weights_dir, n_executions=n_executions, final=final)
+        satellites have something left to take); ``final`` and ``share_url`` as in ``open_step``."""
+        opened = self.open_step(
+            step, weights_dir=weights_dir, n_executions=n_executions, final=final, share_url=share_url
+        )
         opened.append(batch_uri, n_executions, sequences=sequences)
         opened.close(n_executions)
         return opened.train(pace_s=pace_s, on_micro_batch=on_micro_batch)
@@ -196,6 +200,7 @@ class StreamingStep:
         n_executions: int | None,
         deadline_s: float | None,
         final: bool = True,
+        share_url: str | None = None,
     ):
         started = time.perf_counter()
         self.coordinator, self.config, self.step, self.final = coordinator, coordinator.config, step, final
@@ -206,8 +211,13 @@ class StreamingStep:
             raise ValueError(f"a normalizer known at open must be >= 1, got {n_executions}")
         core = coordinator.core
         self.normalizer = n_executions  # None: applied to the reduced sum (a streaming step)
-        weights_path = f"{weights_dir}/step{step}-v{core.version}.safetensors"
-        save_weights(core.engine.module.state_dict(), weights_path, core.version)
+        name = f"step{step}-v{core.version}.safetensors"
+        weights_path = f"{weights_dir}/{name}"
+        state = core.engine.module.state_dict()
+        save_weights(state, weights_path, core.version)
+        shared = None if share_url is None else f"{share_url.rstrip('/')}/{name}"
+        if shared is not None:  # for satellites on other hosts
+            save_weights(state, shared, core.version)
         core.sync_worker()
         core.worker.reset()
         self.version = core.version
@@ -225,8 +235,10 @@ class StreamingStep:
                     "step": step,
                     "version": core.version,
                     "n_executions": n_executions,
-                    "weights": weights_path,
-                    "handoff_dir": weights_dir,
+                    "core_address": coordinator.host,
+                    "weights": weights_path,  # on the core's host
+                    "weights_url": shared,  # anywhere (None: satellites share the core's host)
+                    "handoff_dir": share_url or weights_dir,
                     "opened_at": self.opened_at,
                 }
             ),
@@ -354,8 +366,8 @@ class StreamingStep:
         for sid, record in sorted(left.items()):  # gradient sums handed over by satellites that left
             by_participant[sid] = record["micro_batches"]
             if record["grad"]:
-                worker.grad += load_file(record["grad"])["grad"]
-                os.remove(record["grad"])
+                worker.grad += read_weights(record["grad"])[0]["grad"]
+                remove_file(record["grad"])
             stats.add(stats_from_record(record))
         own_grad = worker.grad.clone()
         attempt = 0
@@ -365,7 +377,7 @@ class StreamingStep:
                 grad, merged = worker.grad, stats
             else:
                 grad, merged = reduce_sums(
-                    store, 0, 0, len(members), worker.grad, stats, config.reduce_timeout_s
+                    store, 0, 0, len(members), worker.grad, stats, config.reduce_timeout_s, config.address
                 )
         except Exception:
             # a member died inside the reduction: go on alone, redoing every other member's share
@@ -451,7 +463,7 @@ class StreamingStep:
             if not waiting:
                 for sid in self.evicted:  # an evicted satellite that left anyway: its sum is void
                     record = json.loads(store.get(f"left/{sid}")) if has(store, f"left/{sid}") else {}
-                    if record.get("grad") and os.path.exists(record["grad"]):
-                        os.remove(record["grad"])
+                    if record.get("grad"):
+                        remove_file(record["grad"])
                 return finished, left, dead
             idle.wait()

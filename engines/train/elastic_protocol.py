@@ -29,6 +29,10 @@ class ElasticConfig:
     join_timeout_s: float = 600.0  # how long a satellite waits for a step to open
     poll_s: float = 0.01  # an idle participant's first wait for a new micro-batch (the core: its deadline)
     idle_max_s: float = 0.05  # ... doubling while nothing arrives, up to this (each look costs CPU)
+    # the address the other participants reach this process by in the gloo reduction (its host's
+    # address on the cluster network); None: torch's default (GLOO_SOCKET_IFNAME, else the address
+    # the host's name resolves to, which on a host with several networks may be the wrong one)
+    address: str | None = None
 
 
 def has(store: dist.Store, key: str) -> bool:
@@ -43,11 +47,18 @@ def reduce_sums(
     grad: torch.Tensor,
     stats: StepStats,
     timeout_s: float,
+    address: str | None = None,
 ) -> tuple[torch.Tensor, StepStats]:
-    """One gloo all-reduce of [grad sums | stat sums] and one of the maxima, in a group made for it."""
-    group = dist.ProcessGroupGloo(
-        dist.PrefixStore(f"reduce{attempt}/", store), rank, size, timedelta(seconds=timeout_s)
-    )
+    """One gloo all-reduce of [grad sums | stat sums] and one of the maxima, in a group made for it;
+    this process takes part from ``address`` (ElasticConfig.address)."""
+    prefixed = dist.PrefixStore(f"reduce{attempt}/", store)
+    if address is None:
+        group = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
+    else:
+        options = dist.ProcessGroupGloo._Options()  # torch's own way to pick a device (distributed_c10d)
+        options._timeout = timedelta(seconds=timeout_s)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        group = dist.ProcessGroupGloo(prefixed, rank, size, options)
     flat = torch.cat([grad, torch.tensor(stats.as_vector(), dtype=grad.dtype)])
     group.allreduce([flat]).wait()
     maxima = torch.tensor([stats.ratio_max, float(stats.lag_max)], dtype=torch.float32)

@@ -38,6 +38,7 @@ from engines.model.weights import load_model
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
+from engines.train.elastic_protocol import ElasticConfig
 from trajectory_store.processor import PackedSequence, table_to_sequences
 
 
@@ -60,6 +61,17 @@ class TrainStepRequest(BaseModel):
         description="open a streaming step instead of reading batch_uri: print its address as one JSON "
         'line {"stream": {host, port, step}} and train the micro-batches a producer appends until it '
         "closes the step (engines/train/stream.py); satellites may join and leave meanwhile",
+    )
+    address: str = Field(
+        "127.0.0.1",
+        description="a streaming step's address: what producers and satellites reach the core by, and the "
+        "core's address in the gloo reduction (its host's address on the cluster network for satellites "
+        "on other hosts)",
+    )
+    share_url: str | None = Field(
+        None,
+        description="a streaming step's folder in object storage for satellites on other hosts (the step's "
+        "weights, hand-off gradient sums); None: every satellite runs on the core's host",
     )
 
 
@@ -202,9 +214,13 @@ def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[Trai
                 f"step {request.step}: a streaming step makes one update; trainer.mini_batches "
                 f"({request.trainer.mini_batches}) and trainer.epochs ({request.trainer.epochs}) must be 1"
             )
-        coordinator = ElasticCoordinator(core)
+        loopback = request.address.startswith("127.") or request.address in ("localhost", "::1")
+        elastic = ElasticConfig(address=None if loopback else request.address)
+        coordinator = ElasticCoordinator(core, host=request.address, config=elastic)
         try:
-            step = coordinator.open_step(request.step, weights_dir=request.fast_dir)
+            step = coordinator.open_step(
+                request.step, weights_dir=request.fast_dir, share_url=request.share_url
+            )
             host, port, number = step.address
             print(json.dumps({"stream": {"host": host, "port": port, "step": number}}), flush=True)
             report = step.train()

@@ -2,9 +2,12 @@
 step of the core, contribute, leave).
 
     python -m engines.train.satellite --host 127.0.0.1 --port 29500 --step 3 --model ./policy
+    python -m engines.train.satellite --host 10.0.0.11 --port 29500 --step 3 --model ./policy \
+        --address 10.0.0.12      # on another host: the address the core reaches this one by
 
 The satellite builds its model from the HF-format folder once, pulls the step's weights from the
-core's fast in-host path (version-checked), and takes micro-batches as they arrive (reading each
+core's fast in-host path, or on another host from the step's share URL (version-checked either way),
+and takes micro-batches as they arrive (reading each
 chunk of the step from storage once) until the step is closed and none are left, or until it is
 asked to leave (engines/train/elastic.py has the protocol, engines/train/stream.py the queue).
 """
@@ -22,9 +25,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
-from engines.model.weights import load_model, read_weights
+from engines.model.weights import load_model, read_weights, save_weights
 from engines.train.config import LossConfig
 from engines.train.elastic_protocol import ElasticConfig, Heartbeat, Idle, has, reduce_sums, stats_record
 from engines.train.stream import ChunkCache, claimed, read_batch, read_state, step_store, try_claim
@@ -40,11 +42,23 @@ def _hand_over(
     """A leaving satellite's gradient sum goes to a file the core adds (fp64, so still exact)."""
     path = None
     if stats.micro_batches:
-        path = os.path.join(meta["handoff_dir"], f"step{meta['step']}-satellite{sid}.grad.safetensors")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        save_file({"grad": worker.grad}, tmp)
-        os.replace(tmp, path)
+        path = f"{meta['handoff_dir'].rstrip('/')}/step{meta['step']}-satellite{sid}.grad.safetensors"
+        save_weights({"grad": worker.grad}, path, meta["version"])  # a local path or the share URL
     store.set(f"left/{sid}", json.dumps({**stats_record(stats), "grad": path, "wait_s": wait_s}))
+
+
+def pull_weights(meta: dict, address: str | None) -> tuple[dict[str, torch.Tensor], int | None, str]:
+    """The step's weights, version-checked, and where they came from: the core's file when this
+    satellite shares the core's host (``address`` None or the core's), else the step's share URL."""
+    remote = address is not None and address != meta.get("core_address")
+    source = meta.get("weights_url") if remote else meta["weights"]
+    if source is None:
+        raise ValueError(
+            f"a satellite at {address} is on another host than the core ({meta.get('core_address')}), "
+            "and the step has no share URL to read its weights from (open_step's share_url)"
+        )
+    weights, version = read_weights(source, expected_version=meta["version"])
+    return weights, version, source
 
 
 def run_satellite(
@@ -86,14 +100,14 @@ def run_satellite(
     heartbeat = Heartbeat(store, f"hb/{sid}", config.heartbeat_s)
     try:
         pulled = time.perf_counter()
-        weights, version = read_weights(meta["weights"], expected_version=meta["version"])
+        weights, version, source = pull_weights(meta, config.address)
         worker.load_weights(weights, version)
         pull_s = time.perf_counter() - pulled
         cache = ChunkCache(load_batch)
         worker.reset()
         stats = StepStats()
         waited, idle = 0.0, Idle(config)
-        result = {"sid": sid, "pull_s": pull_s}
+        result = {"sid": sid, "pull_s": pull_s, "weights": source}
         store.set(f"active/{sid}", "1")  # from here on the core waits for this satellite
         if joined is not None:
             joined(dict(result))
@@ -133,7 +147,9 @@ def run_satellite(
         if sid not in group["members"]:
             return result | {"member": False}
         rank = group["members"].index(sid)
-        reduce_sums(store, 0, rank, len(group["members"]), worker.grad, stats, config.reduce_timeout_s)
+        reduce_sums(
+            store, 0, rank, len(group["members"]), worker.grad, stats, config.reduce_timeout_s, config.address
+        )
         return result | {"member": True}
     finally:
         heartbeat.stop()
@@ -154,6 +170,7 @@ def satellite_main(
     pace_s: float = 0.0,
     ready=None,
     results=None,
+    address: str | None = None,
 ) -> dict:
     """``leave``: an Event (e.g. multiprocessing's) whose setting makes the satellite leave after its
     current micro-batch; ``results``: a queue that receives the satellite's result dict."""
@@ -169,7 +186,7 @@ def satellite_main(
         step,
         worker,
         read_batch,
-        config=ElasticConfig(),
+        config=ElasticConfig(address=address),
         join_when=join_when if join_after_claims else None,
         die_after=die_after,
         leave_after=leave_after,
@@ -217,9 +234,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--loss", default="{}", help="LossConfig as JSON")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="this host's address the core and the other satellites reach it by (the gloo reduction); "
+        "default: torch's (GLOO_SOCKET_IFNAME, else what the host name resolves to)",
+    )
+    parser.add_argument(
+        "--leave-after",
+        type=int,
+        default=None,
+        help="leave after this many micro-batches (tests, benchmarks)",
+    )
     args = parser.parse_args(argv)
     result = satellite_main(
-        args.host, args.port, args.step, args.model, json.loads(args.loss), threads=args.threads
+        args.host,
+        args.port,
+        args.step,
+        args.model,
+        json.loads(args.loss),
+        threads=args.threads,
+        address=args.address,
+        leave_after=args.leave_after,
     )
     print(json.dumps(result))
     return 0
