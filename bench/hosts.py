@@ -22,17 +22,28 @@ the turn's 2 new tokens. `speedup` = reprefill_answer_s / (tcp_s + moved_answer_
 The model is the `tiny` preset (3M parameters, 4 layers, 2 KV heads of 64, float32: 4 KiB of KV a
 token), generated locally, with its RoPE table set to 65,536 positions.
 
+Training across hosts (`train`): one elastic step of the tiny preset on a synthetic branched batch
+(bench/train.py's workload), three ways: the core alone; with one satellite on the core's host (it
+reads the core's weights file); with one satellite on another host (a namespace: it reads the
+step's weights and the batch from S3, a moto server on the hosts' network, and joins the gloo
+reduction across the bridge). Per way: step time (from the batch's arrival, once the satellite has
+joined, to the update), who trained which micro-batches, the satellite's weight pull, and the
+update's difference from the core's alone; and the bytes that crossed between
+the hosts for the remote satellite (the weights it read, its float64 gradient sum in the reduction).
+
 Not measured yet (issue 36): step time on 1 host against 3 of the same CPU budget, weight delivery
-per version, recovery after a host is cut off, executions lost or trained twice, and bytes between
-hosts per step.
+per version, recovery after a host is cut off, executions lost or trained twice.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,11 +51,23 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pyarrow.parquet as pq
+import s3fs
+import torch
+from moto.server import ThreadedMotoServer
 
-from bench.netns import engine_on, hosts
+from bench.netns import TestHost, engine_on, hosts, root_address
+from bench.train import workload
 from engines.admin import ENGINE_STATS, EXPORT_SESSION, IMPORT_SESSION
 from engines.model.build import save_model_folder
 from engines.model.config import ModelConfig
+from engines.model.weights import load_model
+from engines.net import free_port
+from engines.train.config import TrainerConfig
+from engines.train.core import CoreTrainer
+from engines.train.elastic import ElasticCoordinator
+from engines.train.elastic_protocol import ElasticConfig
+from trajectory_store.processor import PackedBatch, batch_to_table
 
 DEFAULT_OUT = "bench/results/hosts.json"
 TOKEN = "bench-hosts-engine-token"
@@ -166,10 +189,167 @@ def kv_migration(sizes: tuple[int, ...], rounds: int) -> dict[str, Any]:
     return {"hosts": 2, "namespaces": namespaces, "sizes": rows}
 
 
+TRAIN_SIZE = {
+    "max_context": 2000,
+    "max_turns": 14,
+    "budget": 2048,
+    "executions": 16,
+}  # bench/train.py's shape
+SATELLITE_PLACES = ("alone", "same_host", "other_host")
+
+
+def _satellite(
+    host: TestHost | None, core: str, port: int, model_dir: str, env: dict[str, str]
+) -> subprocess.Popen:
+    """A satellite process of step 0: on the core's host (``host`` None), or on ``host`` with its address."""
+    command = [sys.executable, "-m", "engines.train.satellite", "--host", core, "--port", str(port)]
+    command += ["--step", "0", "--model", model_dir]
+    if host is not None:
+        command = host.command([*command, "--address", host.address])
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def train_step(
+    place: str,
+    model_dir: str,
+    batch: PackedBatch,
+    batch_uri: str,
+    host: TestHost,
+    share: str | None,
+    env: dict[str, str],
+    pace_s: float = 0.0,
+) -> dict[str, Any]:
+    """One elastic step of ``batch`` with one satellite at ``place`` (or none: "alone"); its figures."""
+    core_address = root_address(host) if place == "other_host" else "127.0.0.1"
+    core = CoreTrainer(load_model(model_dir, dtype="float32"), TrainerConfig(lr=1e-5))
+    config = ElasticConfig(address=core_address if place == "other_host" else None)
+    coordinator = ElasticCoordinator(core, host=core_address, config=config)
+    process = None
+    try:
+        if place != "alone":
+            remote = host if place == "other_host" else None
+            process = _satellite(remote, core_address, coordinator.port, model_dir, env)
+        n_executions = len(batch.advantages)
+        with tempfile.TemporaryDirectory(prefix="gyre-bench-hosts-fast-") as fast:
+            opened = coordinator.open_step(0, weights_dir=fast, n_executions=n_executions, share_url=share)
+            deadline = time.monotonic() + 300
+            while process is not None and opened.store.add("joined", 0) < 1:  # the satellite is there
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError(f"the {place} satellite did not join (exit code {process.poll()})")
+                time.sleep(0.05)
+            opened.append(batch_uri, n_executions, sequences=batch.sequences)
+            opened.close(n_executions)
+            report = opened.train(pace_s=pace_s)
+        result = (
+            {}
+            if process is None
+            else json.loads(process.communicate(timeout=120)[0].strip().splitlines()[-1])
+        )
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+        coordinator.close()
+    return {
+        # from the batch's arrival (appended and closed once the satellite had joined) to the update
+        "step_s": round(report.timings["step"] - report.timings["closed_after"], 3),
+        "timings": {k: round(v, 3) for k, v in report.timings.items()},
+        "satellite": {k: v for k, v in result.items() if k != "micro_batches"},
+        "members": report.members,
+        "micro_batches_by_participant": {str(k): len(v) for k, v in report.by_participant.items()},
+        "satellite_pull_s": None if not result else round(result["pull_s"], 3),
+        "satellite_weights": result.get("weights"),
+        "weights": core.weights(),
+        "grad_elements": core.last_grad.numel(),
+    }
+
+
+def train_across_hosts(size: dict[str, Any] = TRAIN_SIZE, pace_s: float = 0.0) -> dict[str, Any]:
+    """A training step of the tiny preset alone, with a satellite on the core's host, and with one on
+    another host (its weights from S3 on the hosts' network, the gloo reduction across the bridge)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the core, like each satellite, on one thread: a participant per core
+    try:
+        return _train_across_hosts(size, pace_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_across_hosts(size: dict[str, Any], pace_s: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-hosts-train-") as tmp, hosts(["h1"]) as (h1,):
+        model_dir = f"{tmp}/tiny"
+        _, vocab = save_model_folder(ModelConfig(preset="tiny", seed=0), model_dir)
+        batch, _ = workload(f"{tmp}/data", vocab, size)
+        local_uri = f"{tmp}/batch.parquet"
+        pq.write_table(batch_to_table(batch, 0), local_uri)
+        address = root_address(h1)
+        port = free_port(address)
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request
+        s3 = ThreadedMotoServer(ip_address=address, port=port)
+        s3.start()
+        credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        credentials.update(AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=f"http://{address}:{port}")
+        saved = {key: os.environ.get(key) for key in credentials}
+        os.environ.update(credentials)  # the core's S3 environment, as the satellites have it
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            fs = s3fs.S3FileSystem()
+            # its own bucket: moto keeps one store per process, which another server of it may have filled
+            bucket = f"bench-hosts-{os.getpid()}-{time.monotonic_ns()}"
+            fs.mkdir(bucket)
+            fs.put_file(local_uri, f"{bucket}/run/step0/chunk0.parquet")
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            rows = {}
+            for place in SATELLITE_PLACES:
+                remote = place == "other_host"
+                uri = f"s3://{bucket}/run/step0/chunk0.parquet" if remote else local_uri
+                share = f"s3://{bucket}/run/fast" if remote else None
+                rows[place] = train_step(place, model_dir, batch, uri, h1, share, env, pace_s)
+            weight_bytes = fs.size(f"{bucket}/run/fast/step0-v0.safetensors")
+            initial = load_model(model_dir, dtype="float32").state_dict()
+        finally:
+            s3.stop()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            s3fs.S3FileSystem.clear_instance_cache()
+    alone = rows["alone"].pop("weights")
+    rows["alone"].pop("grad_elements")
+    for place in SATELLITE_PLACES[1:]:
+        weights = rows[place].pop("weights")
+        num = sum(float((weights[k] - alone[k]).double().pow(2).sum()) for k in alone)
+        den = sum(float((alone[k] - initial[k]).double().pow(2).sum()) for k in alone)
+        rows[place]["update_rel_diff_vs_alone"] = float(f"{(num / den) ** 0.5:.3e}")
+    grad_bytes = 8 * rows["other_host"].pop("grad_elements")  # float64 sums
+    rows["same_host"].pop("grad_elements")
+    figures = {
+        "namespaces": h1.netns is not None,
+        "micro_batches": len(batch.sequences),
+        "trained_tokens": int(batch.n_target_tokens),
+        "places": rows,
+        # what crossed between the hosts for the remote satellite: the step's weights (from S3), its
+        # share of the batch (from S3), and its gradient sum in the gloo all-reduce of two members
+        "bytes_between_hosts": {"weights": int(weight_bytes), "gradient_sum": grad_bytes},
+        "other_host_over_same_host_step": round(
+            rows["other_host"]["step_s"] / rows["same_host"]["step_s"], 3
+        ),
+        "alone_over_other_host_step": round(rows["alone"]["step_s"] / rows["other_host"]["step_s"], 3),
+    }
+    for place, row in rows.items():
+        print(
+            f"train step  {place:<10}  {row['step_s']:6.2f} s  micro-batches {row['micro_batches_by_participant']}  "
+            f"weights pull {row['satellite_pull_s']} s  update vs alone {row.get('update_rel_diff_vs_alone', '-')}",
+            flush=True,
+        )
+    return figures
+
+
 def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     started = time.perf_counter()
     sizes, rounds = (QUICK_SIZES, 1) if quick else (SIZES, ROUNDS)
     report: dict[str, Any] = {"quick": quick, "kv_migration": kv_migration(sizes, rounds)}
+    report["train"] = train_across_hosts()
     report["wall_s"] = round(time.perf_counter() - started, 1)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
@@ -184,6 +364,10 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
             f"the moved session answered differently (or its bytes fell short) at {bad} tokens",
             file=sys.stderr,
         )
+        return 1
+    places = report["train"]["places"]
+    if any(places[p]["update_rel_diff_vs_alone"] > 1e-4 for p in SATELLITE_PLACES[1:]):
+        print("a step with a satellite made another update than the core alone", file=sys.stderr)
         return 1
     return 0
 

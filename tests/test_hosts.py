@@ -5,6 +5,8 @@ fetches it: no shared file), and decodes on exactly as it would have."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import torch
@@ -303,13 +305,13 @@ def test_satellites_on_other_hosts_join_and_leave_a_step_and_the_update_is_the_o
         s3fs.S3FileSystem.clear_instance_cache()  # no client made before with another endpoint
         satellites = []
         try:
-            boto3.client("s3", endpoint_url=endpoint, **_boto(credentials)).create_bucket(Bucket="campaigns")
+            boto3.client("s3", endpoint_url=endpoint, **_boto(credentials)).create_bucket(Bucket="satellites")
             with (
-                fs.open("campaigns/run/step0/chunk0.parquet", "wb") as handle,
+                fs.open("satellites/run/step0/chunk0.parquet", "wb") as handle,
                 open(local_uri, "rb") as source,
             ):
                 handle.write(source.read())
-            batch_uri = "s3://campaigns/run/step0/chunk0.parquet"
+            batch_uri = "s3://satellites/run/step0/chunk0.parquet"
             core = CoreTrainer(load_float32(model_dir), setup["config"])
             coordinator = ElasticCoordinator(
                 core, host=core_address, config=ElasticConfig(address=core_address)
@@ -322,7 +324,7 @@ def test_satellites_on_other_hosts_join_and_leave_a_step_and_the_update_is_the_o
                 satellites.append(
                     subprocess.Popen(host.command(command), env=env, stdout=subprocess.PIPE, text=True)
                 )
-            share = "s3://campaigns/run/fast"
+            share = "s3://satellites/run/fast"
             opened = coordinator.open_step(
                 0, weights_dir=weights_dir, n_executions=n_executions, share_url=share
             )
@@ -333,9 +335,9 @@ def test_satellites_on_other_hosts_join_and_leave_a_step_and_the_update_is_the_o
                 time.sleep(0.1)
             opened.append(batch_uri, n_executions, sequences=batch.sequences)
             opened.close(n_executions)
-            report = opened.train(pace_s=0.3)
+            report = opened.train(pace_s=0.5)
             outputs = [p.communicate(timeout=120)[0] for p in satellites]
-            left_over = fs.ls("campaigns/run/fast")
+            left_over = fs.ls("satellites/run/fast")
         finally:
             for process in satellites:
                 if process.poll() is None:
@@ -350,7 +352,7 @@ def test_satellites_on_other_hosts_join_and_leave_a_step_and_the_update_is_the_o
     assert report.members == [0, stayed["sid"]]  # the gloo reduction spanned the root and h1
     assert sorted(i for ids in report.by_participant.values() for i in ids) == list(range(n))
     assert not report.recomputed and not report.dead
-    assert left_over == ["campaigns/run/fast/step0-v0.safetensors"]  # the hand-off was added, then deleted
+    assert left_over == ["satellites/run/fast/step0-v0.safetensors"]  # the hand-off was added, then deleted
     assert update_rel_diff(core.weights(), setup) <= 1e-4  # Adam's first step amplifies rounding
 
 
@@ -374,3 +376,25 @@ def test_a_satellite_on_another_host_reads_the_share_url_and_refuses_a_step_with
         pull_weights({**meta, "weights_url": None}, "10.0.0.2")
     with pytest.raises(ValueError, match="expected 5"):
         pull_weights({**meta, "version": 5}, "10.0.0.2")
+
+
+def test_the_hosts_benchmark_trains_a_step_with_a_satellite_on_each_side_and_the_same_update():
+    """bench/hosts.py's training section at a small size: the satellite on the core's host reads the
+    core's file, the one on the other host the S3 copy; both take part, and both steps make the update
+    of the core alone."""
+    from bench.hosts import train_across_hosts
+
+    size = {"max_context": 600, "max_turns": 6, "budget": 1024, "executions": 4}
+    figures = train_across_hosts(size, pace_s=1.0)  # the satellite, slower to start, gets some
+    places = figures["places"]
+    assert figures["namespaces"] is True
+    assert places["alone"]["members"] == [0]
+    for place in ("same_host", "other_host"):
+        assert places[place]["members"] == [0, 1], places[place]
+        assert sum(places[place]["micro_batches_by_participant"].values()) == figures["micro_batches"]
+        assert places[place]["update_rel_diff_vs_alone"] <= 1e-4
+    assert re.fullmatch(
+        r"s3://bench-hosts-[\d-]+/run/fast/step0-v0\.safetensors", places["other_host"]["satellite_weights"]
+    )
+    assert not places["same_host"]["satellite_weights"].startswith("s3://")
+    assert figures["bytes_between_hosts"]["weights"] > 10_000_000  # the tiny preset: 3M float32 weights
