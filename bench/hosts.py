@@ -31,8 +31,12 @@ joined, to the update), who trained which micro-batches, the satellite's weight 
 update's difference from the core's alone; and the bytes that crossed between
 the hosts for the remote satellite (the weights it read, its float64 gradient sum in the reduction).
 
-Not measured yet (issue 36): step time on 1 host against 3 of the same CPU budget, weight delivery
-per version, recovery after a host is cut off, executions lost or trained twice.
+Weight delivery (`train.weight_delivery`): three new versions sent to two engines as
+`serve_version` sends them, the file to an engine on the core's host and the S3 URL to one on
+another host; each engine's load-and-swap call, timed.
+
+Not measured yet (issue 36): step time on 1 host against 3 of the same CPU budget, recovery after a
+host is cut off, executions lost or trained twice.
 """
 
 from __future__ import annotations
@@ -58,10 +62,10 @@ from moto.server import ThreadedMotoServer
 
 from bench.netns import TestHost, engine_on, hosts, root_address
 from bench.train import workload
-from engines.admin import ENGINE_STATS, EXPORT_SESSION, IMPORT_SESSION
+from engines.admin import ENGINE_STATS, EXPORT_SESSION, IMPORT_SESSION, AdminClient
 from engines.model.build import save_model_folder
 from engines.model.config import ModelConfig
-from engines.model.weights import load_model
+from engines.model.weights import load_model, save_weights
 from engines.net import free_port
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
@@ -263,6 +267,57 @@ def train_step(
     }
 
 
+DELIVERIES = 3  # versions delivered to each engine
+
+
+def weight_delivery(
+    model_dir: str,
+    initial: dict[str, torch.Tensor],
+    host: TestHost,
+    share: str,
+    fast: str,
+    env: dict[str, str],
+) -> dict[str, Any]:
+    """New policy versions to two engines, as `serve_version` sends them: to one on the core's host
+    its fast file, to one on another host the version's URL in object storage. The time of each
+    engine's load-and-swap call (the engine reads, loads and swaps; calls held back meanwhile)."""
+    local_host = TestHost("core", "127.0.0.1", None)
+    generator = torch.Generator().manual_seed(0)
+    versions = []
+    for version in range(1, DELIVERIES + 1):
+        state, seen = {}, set()
+        for name, tensor in initial.items():  # a tied tensor (lm_head = embeddings) once, as saved
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                state[name] = tensor + 1e-3 * torch.randn(tensor.shape, generator=generator)
+        path, url = f"{fast}/policy-v{version}.safetensors", f"{share}/v{version}/model.safetensors"
+        save_weights(state, path, version)
+        save_weights(state, url, version)
+        versions.append((version, path, url))
+    admin = AdminClient(engine_token=TOKEN, timeout_s=300)
+    times: dict[str, list[float]] = {"same_host": [], "other_host": []}
+    try:
+        with (
+            engine_on(local_host, model_dir, "near", TOKEN, env=env) as near,
+            engine_on(host, model_dir, "far", TOKEN, env=env) as far,
+        ):
+            for version, path, url in versions:
+                for place, engine, source in (("same_host", near, path), ("other_host", far, url)):
+                    started = time.perf_counter()
+                    loaded = admin.load_weights(engine, source, version)
+                    times[place].append(time.perf_counter() - started)
+                    if loaded.policy_version != version:
+                        raise RuntimeError(f"{engine} serves version {loaded.policy_version}, not {version}")
+    finally:
+        admin.close()
+    return {
+        "bytes": os.path.getsize(versions[0][1]),
+        "same_host_s": round(statistics.median(times["same_host"]), 3),
+        "other_host_s": round(statistics.median(times["other_host"]), 3),
+        "rounds": {place: [round(t, 3) for t in values] for place, values in times.items()},
+    }
+
+
 def train_across_hosts(size: dict[str, Any] = TRAIN_SIZE, pace_s: float = 0.0) -> dict[str, Any]:
     """A training step of the tiny preset alone, with a satellite on the core's host, and with one on
     another host (its weights from S3 on the hosts' network, the gloo reduction across the bridge)."""
@@ -306,6 +361,7 @@ def _train_across_hosts(size: dict[str, Any], pace_s: float) -> dict[str, Any]:
                 rows[place] = train_step(place, model_dir, batch, uri, h1, share, env, pace_s)
             weight_bytes = fs.size(f"{bucket}/run/fast/step0-v0.safetensors")
             initial = load_model(model_dir, dtype="float32").state_dict()
+            delivery = weight_delivery(model_dir, initial, h1, f"s3://{bucket}/policy", f"{tmp}/fast", env)
         finally:
             s3.stop()
             for key, value in saved.items():
@@ -335,7 +391,14 @@ def _train_across_hosts(size: dict[str, Any], pace_s: float) -> dict[str, Any]:
             rows["other_host"]["step_s"] / rows["same_host"]["step_s"], 3
         ),
         "alone_over_other_host_step": round(rows["alone"]["step_s"] / rows["other_host"]["step_s"], 3),
+        "weight_delivery": delivery,
     }
+    print(
+        f"weights     {delivery['bytes'] / 2**20:5.1f} MiB a version  to an engine on the core's host "
+        f"(its file) {delivery['same_host_s']:.3f} s  to an engine on another host (from S3) "
+        f"{delivery['other_host_s']:.3f} s  (medians of {DELIVERIES})",
+        flush=True,
+    )
     for place, row in rows.items():
         print(
             f"train step  {place:<10}  {row['step_s']:6.2f} s  micro-batches {row['micro_batches_by_participant']}  "

@@ -398,3 +398,6 @@ def test_the_hosts_benchmark_trains_a_step_with_a_satellite_on_each_side_and_the
     )
     assert not places["same_host"]["satellite_weights"].startswith("s3://")
     assert figures["bytes_between_hosts"]["weights"] > 10_000_000  # the tiny preset: 3M float32 weights
+    delivery = figures["weight_delivery"]  # each engine answered with the version it was sent
+    assert delivery["bytes"] == figures["bytes_between_hosts"]["weights"]
+    assert all(len(times) == 3 and min(times) > 0 for times in delivery["rounds"].values())
