@@ -112,7 +112,7 @@ class RealWork:
 # The workloads `--workload` chooses (compare's steps and seed are the same for each):
 # default: the campaign's (groups of 2 at temperature 1.0, where about one group in eight has a signal);
 # signal: more of the groups carry a signal, so a step trains 5-8x the tokens (groups of 4 at
-# temperature 1.5, 6 executions a cell at once): experiments.md, 2026-12-06
+# temperature 1.5, 6 executions a cell at once): experiments.md, 2026-12-05
 WORKLOADS: dict[str, dict[str, Any]] = {
     "default": {"problems_per_step": 8, "group_size": 2},
     "signal": {"problems_per_step": 8, "group_size": 4, "temperature": 1.5, "sessions_per_cell": 6},

@@ -70,7 +70,7 @@ class MeasuredRun:
     """Per step, the seconds the core trainer spent computing micro-batches (its step's compute less
     its waits for arrivals); empty in files from before 2026-12-05."""
     sessions_per_cell: int = 2
-    """Executions a rollout cell ran at once (files from before 2026-12-06 ran 2)."""
+    """Executions a rollout cell ran at once (files from before this field ran 2)."""
 
 
 def save_measured(runs: dict[str, list[MeasuredRun]], path: str) -> None:
