@@ -329,7 +329,8 @@ def test_satellites_on_other_hosts_join_and_leave_a_step_and_the_update_is_the_o
                 0, weights_dir=weights_dir, n_executions=n_executions, share_url=share
             )
             deadline = time.monotonic() + 180
-            while opened.store.add("joined", 0) < len(satellites):  # both have joined: the step starts
+            active = [f"active/{sid}" for sid in range(1, len(satellites) + 1)]
+            while not opened.store.check(active):  # both joined and pulled the weights: the step starts
                 assert time.monotonic() < deadline, "the satellites did not join within 180 s"
                 assert all(p.poll() is None for p in satellites), "a satellite ended before joining"
                 time.sleep(0.1)
