@@ -133,16 +133,25 @@ def test_a_new_version_is_served_without_restarting_vllm_and_each_call_records_i
     save_weights(model.state_dict(), path, 1)
     pids = {url: p.pid for url, p in stack.processes.items()}
 
-    client = _register(stack, "version-1")
     long_call: list[dict] = []
-    thread = threading.Thread(target=lambda: long_call.extend(_turns(client, ["count"], max_tokens=120)))
-    thread.start()
-    deadline = time.monotonic() + 60
-    # inside vLLM, not only sent by the gateway: a swap that reaches the engine first serves the call with
-    # version 1, and records that (right, but not what this test is about)
-    while not any(admin.engine_stats(url).running for url in stack.engine_urls):
-        assert time.monotonic() < deadline and thread.is_alive(), "the long call never reached vLLM"
-        time.sleep(0.05)
+    for attempt in range(3):  # a call that ends before it is seen inside an engine is tried again, anew
+        long_call.clear()
+        client = _register(stack, f"version-1-{attempt}")
+        thread = threading.Thread(
+            target=lambda c=client: long_call.extend(_turns(c, ["count"], max_tokens=120))
+        )
+        thread.start()
+        deadline = time.monotonic() + 60
+        # inside the engine, not only sent by the gateway: a swap that reaches the engine first serves the call
+        # with version 1, and records that (right, but not what this test is about)
+        while thread.is_alive() and not any(admin.engine_stats(url).running for url in stack.engine_urls):
+            assert time.monotonic() < deadline, "the long call never reached vLLM"
+            time.sleep(0.01)
+        if thread.is_alive():
+            break
+        thread.join()
+    else:
+        pytest.fail("three calls each ended before an engine was seen running it")
     for url in stack.engine_urls:  # while that call decodes: each swap waits for it, then holds calls back
         assert admin.load_weights(url, path, drop_kv=True).policy_version == 1
     thread.join(120)

@@ -300,7 +300,10 @@ def create_app(config: VllmServerConfig) -> FastAPI:
 
     @app.get(ENGINE_STATS.path, dependencies=[Depends(guard)])
     async def stats() -> EngineStatsReport:
-        running, waiting = queue_of((await vllm("GET", "/metrics")).text)
+        _, waiting = queue_of((await vllm("GET", "/metrics")).text)
+        # running: what this front has sent and not had answered, less vLLM's queue. vLLM's own running gauge
+        # is refreshed by its stats loop and can miss a short call entirely
+        running = max(gate.in_flight - waiting, 0)
         return EngineStatsReport(
             engine_id=engine_id,
             policy_version=state["version"],
