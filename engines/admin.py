@@ -15,7 +15,7 @@ An engine (engines/rollout/server.py)                       the gateway (engines
     POST ENGINE_WAKE      WakeRequest -> SleepState             POST ADD_ENGINE       AddEngine -> EngineAdded
     POST EXPORT_SESSION   SessionExport -> the transport's handle    POST DRAIN_ENGINE  -> DrainReport
     POST IMPORT_SESSION   SessionImport -> SessionImported, or the   POST ACTIVATE_ENGINE -> EngineActivated
-                          migrated request's EngineCompletion (wait=true)
+                          migrated request's EngineCompletion (wait=true)    POST ENGINE_DEAD -> EngineDeclaredDead
     GET  ENGINE_STATS     -> EngineStatsReport
 
 Each ``Endpoint`` holds its method, its path (a template where it names an engine or an execution) and
@@ -166,6 +166,21 @@ class EngineAdded(WireModel):
 class EngineActivated(WireModel):
     engine_id: str
     state: str = "active"
+
+
+class EngineDeclaredDead(WireModel):
+    """POST /admin/engines/<id>/dead: the gateway holds it dead (its host was lost, say)."""
+
+    engine_id: str
+    state: str = "dead"
+    calls_aborted: int = 0
+    """Its calls that were in flight: each re-runs on another engine from its recorded prompt."""
+    sessions_lost: int = 0
+    """Its sessions: each one's next call recomputes its context on another engine."""
+
+
+class DeclareDead(WireModel):
+    reason: str = Field("declared dead by an admin", max_length=500)
 
 
 class DrainReport(WireModel):
@@ -325,6 +340,7 @@ GATEWAY_FLUSH = Endpoint[FlushReport]("POST", "/admin/flush", FlushReport)
 ADD_ENGINE = Endpoint[EngineAdded]("POST", "/admin/engines", EngineAdded)
 DRAIN_ENGINE = Endpoint[DrainReport]("POST", "/admin/engines/{engine_id}/drain", DrainReport)
 ACTIVATE_ENGINE = Endpoint[EngineActivated]("POST", "/admin/engines/{engine_id}/activate", EngineActivated)
+ENGINE_DEAD = Endpoint[EngineDeclaredDead]("POST", "/admin/engines/{engine_id}/dead", EngineDeclaredDead)
 REGISTER_EXECUTION = Endpoint[dict[str, Any]]("POST", "/admin/executions", dict[str, Any])
 EXECUTION = Endpoint[dict[str, Any]]("GET", "/admin/executions/{execution_id}", dict[str, Any])
 FINISH_EXECUTION = Endpoint[dict[str, Any]]("POST", "/admin/executions/{execution_id}/finish", dict[str, Any])
@@ -385,6 +401,11 @@ class AdminClient:
 
     def activate(self, engine_id: str) -> EngineActivated:
         return self._gateway(ACTIVATE_ENGINE, engine_id=engine_id)
+
+    def declare_dead(self, engine_id: str, reason: str = "declared dead by an admin") -> EngineDeclaredDead:
+        """The gateway stops routing to the engine (its host was lost, say): its calls in flight re-run
+        elsewhere, its sessions recompute there. Adding it (or another at its id) again revives it."""
+        return self._gateway(ENGINE_DEAD, DeclareDead(reason=reason), engine_id=engine_id)
 
     def flush(self) -> FlushReport:
         return self._gateway(GATEWAY_FLUSH)

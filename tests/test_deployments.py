@@ -4,19 +4,16 @@ retried through the API (what the UI's Retry does) and resumes without dispatchi
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from deployments.deploy import DEFAULT_FILE, ROOT, check, read_specs, worker_command
-from engines.net import free_port
+from tests.prefect_server import prefect_server
 
 
 def test_the_shipped_deployments_load_validate_and_have_schedules():
@@ -48,33 +45,8 @@ def test_bad_deployment_files_are_refused_with_the_reason(tmp_path):
 @pytest.fixture(scope="module")
 def local_server(tmp_path_factory):
     """A real `prefect server start` (SQLite in a temporary PREFECT_HOME) on loopback."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    prefect = str(Path(sys.executable).parent / "prefect")
-    log = open(home / "server.log", "wb")  # noqa: SIM115  (open for the server's whole life)
-    server = subprocess.Popen(
-        [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    try:
+    with prefect_server(tmp_path_factory.mktemp("prefect-home")) as (url, env):
         yield url, env
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
 
 
 def _wait_for(url: str, run_id: str, states: set[str], timeout_s: float = 600) -> str:

@@ -57,15 +57,18 @@ from engines.admin import (
     ACTIVATE_ENGINE,
     ADD_ENGINE,
     DRAIN_ENGINE,
+    ENGINE_DEAD,
     EXECUTION,
     FINISH_EXECUTION,
     GATEWAY_FLUSH,
     GATEWAY_STATS,
     REGISTER_EXECUTION,
     AddEngine,
+    DeclareDead,
     DrainReport,
     EngineActivated,
     EngineAdded,
+    EngineDeclaredDead,
     FlushReport,
     GatewayStatsReport,
 )
@@ -263,6 +266,10 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
     @api.post(DRAIN_ENGINE.path)
     async def drain(engine_id: str) -> DrainReport:
         return await gateway.router.drain(engine_id)
+
+    @api.post(ENGINE_DEAD.path)
+    async def declare_dead(request: Request, engine_id: str) -> EngineDeclaredDead:
+        return gateway.router.declare_dead(engine_id, (await read(request, DeclareDead)).reason)
 
     @api.post(ACTIVATE_ENGINE.path)
     async def activate(engine_id: str) -> EngineActivated:

@@ -32,7 +32,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from engines.admin import DrainReport, EngineView, RouterCounters
+from engines.admin import DrainReport, EngineDeclaredDead, EngineView, RouterCounters
 from engines.gateway.config import EngineSpec
 from engines.gateway.engine_client import EngineClient
 from engines.gateway.errors import EngineDown, EngineRejected, GatewayError
@@ -205,6 +205,16 @@ class Router:
                     self.mark_dead(engine)
                     self.stats.engines_unresponsive += 1
                     engine.abort(f"engine {engine.engine_id} missed {misses} health checks in a row")
+
+    def declare_dead(self, engine_id: str, reason: str) -> EngineDeclaredDead:
+        """An admin says the engine is gone (its host lost): as if it missed its health checks."""
+        engine = self._engine(engine_id)
+        report = EngineDeclaredDead(
+            engine_id=engine_id, calls_aborted=engine.in_flight, sessions_lost=len(engine.sessions)
+        )
+        self.mark_dead(engine)
+        engine.abort(f"engine {engine_id}: {reason}")
+        return report
 
     def activate(self, engine_id: str) -> None:
         engine = self._engine(engine_id)

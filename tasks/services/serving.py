@@ -123,14 +123,22 @@ ENGINE_MARKERS = {"gyre": "engines.rollout.server", "vllm": "engines.vllm"}
 
 
 def engine_process(
-    policy: str, serving: ServingConfig, port: int, admin_token: str, *, host: str = "127.0.0.1"
+    policy: str,
+    serving: ServingConfig,
+    port: int,
+    admin_token: str,
+    *,
+    host: str = "127.0.0.1",
+    engine_id: str | None = None,
 ) -> tuple[list[str], str, str]:
-    """(command, its stdin, marker) of an engine on ``host:port`` serving ``policy``."""
+    """(command, its stdin, marker) of an engine on ``host:port`` serving ``policy``; ``engine_id``: its
+    name (None: rollout-<port> or vllm-<port>)."""
     if serving.engine == "vllm":
         config = VllmServerConfig(
             model=policy,
             host=host,
             port=port,
+            engine_id=engine_id,
             admin_token=admin_token,
             python=serving.vllm_python,
             dtype=serving.engine_dtype,
@@ -148,8 +156,9 @@ def engine_process(
         model=policy,
         host=host,
         port=port,
+        engine_id=engine_id,  # None: rollout-<its port>
         admin_token=admin_token,
         engine=EngineConfig(max_batch_size=serving.max_batch_size, dtype=serving.engine_dtype),
-    )  # engine_id None: each engine is rollout-<its port>
+    )
     command = [sys.executable, "-m", "engines.rollout.server", "--config", "-"]
     return command, engine.model_dump_json(), ENGINE_MARKERS["gyre"]

@@ -1,0 +1,45 @@
+"""One cell of a campaign on its host: a long-lived flow run of the host's `gyre-cell` deployment.
+
+A host's process worker runs it (`gyre worker --pool gyre-<host>`); tasks/services/cluster.py
+(``CellFleet``) starts, watches and replaces these runs through the Prefect API, and says what a cell
+does. The run is the cell in the UI: Running while its engine serves, Cancelled when the campaign
+stops it, Crashed (with the reason) when its host was lost and the cell moved elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+from prefect.blocks.system import Secret
+from prefect.runtime import flow_run
+
+from tasks.services.cluster import TOKENS_BLOCK, run_ended, serve_cell
+from tasks.services.serving import ServingConfig
+
+
+@flow(name="gyre-cell", log_prints=True)
+def cell(
+    cell_id: str,
+    host: str,
+    address: str,
+    policy: str,
+    gateway_url: str,
+    serving: dict[str, Any] | None = None,
+    tokens_block: str = TOKENS_BLOCK,
+) -> dict[str, Any]:
+    """Serves the cell's engine on ``address`` behind the gateway until the run is cancelled or
+    marked crashed; the admin tokens come from the Secret block ``tokens_block``."""
+    tokens = Secret.load(tokens_block).get()
+    run_id = flow_run.get_id()
+    return serve_cell(
+        cell_id,
+        host,
+        address,
+        policy,
+        gateway_url,
+        ServingConfig(**(serving or {})),
+        tokens["admin_token"],
+        tokens["engine_admin_token"],
+        should_stop=lambda: run_ended(run_id) if run_id else None,
+    )

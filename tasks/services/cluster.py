@@ -1,0 +1,372 @@
+"""A campaign's hosts (``[cluster]``) and its cells on them, each a long-lived Prefect flow run.
+
+    [cluster]
+    hosts = [
+      {name = "h1", address = "10.0.0.11", cells = 2},                    # work pool gyre-h1
+      {name = "h2", address = "10.0.0.12", cells = 1, work_pool = "b"},
+    ]
+
+Each host runs one process worker of its own work pool (`gyre worker --pool gyre-h1`). A cell is a
+flow run of the `gyre-cell` deployment on its host's pool (flows/cell.py, registered per host by
+`deployments/cells.py`): ``serve_cell`` starts the cell's engine on the host's address, adds it to
+the campaign's gateway under the cell's id, and serves until the run is cancelled or marked crashed.
+The admin tokens reach the cell through a Prefect Secret block, never through its parameters (which
+the UI shows).
+
+``CellFleet`` places cells on hosts, starts their flow runs through the Prefect API, and watches the
+hosts' workers: a host whose worker has not beaten for ``heartbeat_misses`` of its heartbeats is
+lost. Each cell on a lost host is marked Crashed (with the reason), declared dead at the gateway (its
+calls in flight re-run on other engines from their recorded prompts, its sessions recompute their
+context on their next call) and started again, under the same id, on the live host holding the
+fewest cells. A single-host campaign needs none of this: without ``[cluster]`` the stack of
+tasks/services/up.py runs every engine on this machine.
+
+    fleet = CellFleet(cluster, CellOrder(policy="/models/p", gateway_url=url))
+    fleet.save_tokens(admin_token, engine_admin_token)
+    fleet.start(); fleet.wait_serving(admin)
+    fleet.replace_lost(admin)          # what fleet.watch(admin, stop) does every watch_interval_s
+    fleet.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+
+from engines.admin import AdminClient, AdminError
+from engines.devices import CellDevices, process_env
+from engines.net import free_port
+from tasks.services.serving import ServingConfig, engine_process
+from tasks.services.stack import serving_process
+
+log = logging.getLogger(__name__)
+
+CELL_FLOW = "gyre-cell"
+"""The cell flow's name: its deployment on host h is ``gyre-cell/h``."""
+TOKENS_BLOCK = "gyre-cell-tokens"
+"""The Secret block with the gateway's and the engines' admin tokens, read by every cell."""
+
+
+class HostSpec(BaseModel):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,40}$", description="the host's name in the campaign")
+    address: str = Field(
+        min_length=1, description="where the other hosts reach it (its engines listen on it)"
+    )
+    work_pool: str | None = Field(None, description="its Prefect work pool (None: gyre-<name>)")
+    cells: NonNegativeInt = Field(1, description="cells placed on it at the start")
+    max_cells: PositiveInt | None = Field(
+        None, description="the most cells it may hold once cells of lost hosts move (None: no limit)"
+    )
+
+    def pool(self) -> str:
+        return self.work_pool or f"gyre-{self.name}"
+
+
+class ClusterConfig(BaseModel):
+    """``[cluster]``: the hosts a campaign's cells run on."""
+
+    hosts: list[HostSpec] = Field(min_length=1)
+    heartbeat_misses: PositiveInt = Field(
+        3, description="worker heartbeats a host may miss before its cells are replaced"
+    )
+    watch_interval_s: PositiveFloat = Field(5.0, description="how often the fleet checks the hosts")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ClusterConfig:
+        for what, values in (
+            ("name", [h.name for h in self.hosts]),
+            ("work pool", [h.pool() for h in self.hosts]),
+        ):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:
+                raise ValueError(
+                    f"[cluster] hosts share a {what}: {', '.join(twice)} (each host needs its own)"
+                )
+        if not any(h.cells for h in self.hosts):
+            raise ValueError("[cluster] places no cell: give at least one host cells >= 1")
+        for h in self.hosts:
+            if h.max_cells is not None and h.cells > h.max_cells:
+                raise ValueError(
+                    f"[cluster] host {h.name}: cells {h.cells} is above its max_cells {h.max_cells}"
+                )
+        return self
+
+    def host(self, name: str) -> HostSpec:
+        return next(h for h in self.hosts if h.name == name)
+
+    def placement(self) -> list[tuple[str, str]]:
+        """(cell id, host name) of every cell at the start: cell-0, cell-1, ... in the hosts' order."""
+        names = [h.name for h in self.hosts for _ in range(h.cells)]
+        return [(f"cell-{i}", name) for i, name in enumerate(names)]
+
+
+@dataclass(frozen=True)
+class CellOrder:
+    """What every cell of a campaign serves, and whose gateway it joins."""
+
+    policy: str  # the policy folder, at the same path on every host
+    gateway_url: str  # as the hosts reach it
+    serving: dict[str, Any] = field(default_factory=dict)  # ServingConfig fields (engine kind, threads, ...)
+    tokens_block: str = TOKENS_BLOCK
+
+    def parameters(self, cell_id: str, host: HostSpec) -> dict[str, Any]:
+        """The cell flow run's parameters (shown in the UI: no secret)."""
+        return {
+            "cell_id": cell_id,
+            "host": host.name,
+            "address": host.address,
+            "policy": self.policy,
+            "gateway_url": self.gateway_url,
+            "serving": self.serving,
+            "tokens_block": self.tokens_block,
+        }
+
+
+def serve_cell(
+    cell_id: str,
+    host: str,
+    address: str,
+    policy: str,
+    gateway_url: str,
+    serving: ServingConfig,
+    admin_token: str,
+    engine_admin_token: str,
+    *,
+    should_stop: Callable[[], str | None],
+    poll_s: float = 2.0,
+) -> dict[str, Any]:
+    """A cell's life on its host: its engine listening on ``address``, added to the gateway as
+    ``cell_id`` on ``host``, until ``should_stop`` gives a reason (returned) or the engine dies
+    (RuntimeError). The engine stops with the block, also when the flow run is cancelled."""
+    port = free_port(address)
+    command, stdin, _ = engine_process(
+        policy, serving, port, engine_admin_token, host=address, engine_id=cell_id
+    )
+    url = f"http://{address}:{port}"
+    env = {**os.environ, **process_env(CellDevices(threads=serving.engine_threads))}
+    with (
+        serving_process(command, url, env, stdin=stdin) as engine,
+        AdminClient(gateway_url, admin_token, engine_admin_token) as admin,
+    ):
+        added = admin.add_engine(url, engine_id=cell_id, host=host)
+        print(f"cell {cell_id} on {host}: engine {added.engine_id} at {url} serves {policy}")
+        while True:
+            if engine.poll() is not None:
+                raise RuntimeError(
+                    f"cell {cell_id} on {host}: its engine at {url} exited with {engine.returncode}"
+                )
+            reason = should_stop()
+            if reason is not None:
+                print(f"cell {cell_id} on {host}: stopping ({reason})")
+                return {"cell_id": cell_id, "host": host, "url": url, "stopped": reason}
+            time.sleep(poll_s)
+
+
+def run_ended(flow_run_id: str) -> str | None:
+    """Why the cell's own flow run should end (cancelled, or marked crashed because its host was
+    lost), or None. An API that does not answer (this host cut off) is no reason: the cell serves on."""
+    from prefect import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception as exc:  # the API unreachable (this host cut off): keep serving
+        log.warning("cell: the Prefect API did not answer (%s): serving on", exc)
+        return None
+    if state is not None and (state.is_final() or state.name == "Cancelling"):
+        return f"its flow run is {state.name}: {state.message or ''}".strip()
+    return None
+
+
+@dataclass
+class CellRun:
+    cell_id: str
+    host: str
+    flow_run_id: str
+
+
+@dataclass(frozen=True)
+class Replacement:
+    cell_id: str
+    lost_host: str  # where it ran (its own host again: its run ended there)
+    host: str  # where it runs now
+    flow_run_id: str
+    why: str
+
+
+class CellFleet:
+    """A campaign's cells on its hosts: started, watched and replaced through the Prefect API (the
+    current PREFECT_API_URL), joined to the gateway the order names."""
+
+    def __init__(
+        self, cluster: ClusterConfig, order: CellOrder, *, clock: Callable[[], datetime] | None = None
+    ):
+        self.cluster, self.order = cluster, order
+        self.cells: dict[str, CellRun] = {}
+        self.replacements: list[Replacement] = []
+        self.lost: set[str] = set()
+        self._now = clock or (lambda: datetime.now(UTC))
+
+    def save_tokens(self, admin_token: str, engine_admin_token: str) -> None:
+        from prefect.blocks.system import Secret
+
+        value = {"admin_token": admin_token, "engine_admin_token": engine_admin_token}
+        Secret(value=value).save(self.order.tokens_block, overwrite=True)
+
+    def start(self) -> list[CellRun]:
+        """A flow run for every cell of the placement, on its host's pool."""
+        return [self._start(cell_id, host) for cell_id, host in self.cluster.placement()]
+
+    def _start(self, cell_id: str, host: str) -> CellRun:
+        from prefect import get_client
+
+        spec = self.cluster.host(host)
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name(f"{CELL_FLOW}/{host}")
+            run = client.create_flow_run_from_deployment(
+                deployment.id, parameters=self.order.parameters(cell_id, spec), name=f"{cell_id}-on-{host}"
+            )
+        self.cells[cell_id] = CellRun(cell_id, host, str(run.id))
+        return self.cells[cell_id]
+
+    def wait_serving(self, admin: AdminClient, timeout_s: float = 300.0) -> dict[str, str]:
+        """Waits until every cell's engine is active in the gateway at its host's address; cell id ->
+        engine URL. A cell whose flow run ends first raises RuntimeError with its state's message."""
+        from prefect import get_client
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            engines = {e.engine_id: e for e in admin.gateway_stats().engines}
+            serving = {
+                c.cell_id: engines[c.cell_id].url
+                for c in self.cells.values()
+                if c.cell_id in engines
+                and engines[c.cell_id].state == "active"
+                and f"//{self.cluster.host(c.host).address}:" in engines[c.cell_id].url
+            }
+            if len(serving) == len(self.cells):
+                return serving
+            with get_client(sync_client=True) as client:
+                for cell in self.cells.values():
+                    state = client.read_flow_run(cell.flow_run_id).state
+                    if state is not None and state.is_final():
+                        raise RuntimeError(
+                            f"cell {cell.cell_id} on {cell.host}: its flow run ended {state.name}: {state.message}"
+                        )
+            if time.monotonic() > deadline:
+                waiting = sorted(set(self.cells) - set(serving))
+                raise TimeoutError(f"cells {waiting} are not serving after {timeout_s:g} s")
+            time.sleep(0.5)
+
+    def lost_hosts(self) -> dict[str, str]:
+        """Hosts holding cells whose pool has no worker that beat within ``heartbeat_misses`` of its
+        heartbeats: host -> why."""
+        from prefect import get_client
+
+        now, lost = self._now(), {}
+        with get_client(sync_client=True) as client:
+            for host in {c.host for c in self.cells.values()}:
+                pool = self.cluster.host(host).pool()
+                beats = [
+                    (now - w.last_heartbeat_time).total_seconds() / (w.heartbeat_interval_seconds or 30)
+                    for w in client.read_workers_for_work_pool(pool)
+                    if w.last_heartbeat_time is not None
+                ]
+                if not beats or min(beats) > self.cluster.heartbeat_misses:
+                    silent = f"{min(beats):.1f} heartbeats" if beats else "ever"
+                    lost[host] = f"no worker of pool {pool} has beaten for {silent}"
+        return lost
+
+    def replace_lost(self, admin: AdminClient) -> list[Replacement]:
+        """Every cell of a lost host: its flow run marked Crashed, its engine declared dead at the
+        gateway, and a new run of it on the live host with the fewest cells. A cell whose run ended on
+        a live host (its engine died, say) starts again there."""
+        from prefect import get_client
+        from prefect.states import Crashed
+
+        lost = self.lost_hosts()
+        done = []
+        with get_client(sync_client=True) as client:
+            ended = {
+                c.cell_id: state
+                for c in self.cells.values()
+                if c.host not in lost
+                and (state := client.read_flow_run(c.flow_run_id).state) is not None
+                and state.is_final()
+            }
+        for cell_id, state in sorted(ended.items()):
+            cell = self.cells[cell_id]
+            why = f"its flow run ended {state.name}: {state.message or ''}".strip()
+            run = self._start(cell_id, cell.host)
+            done.append(Replacement(cell_id, cell.host, cell.host, run.flow_run_id, why))
+            log.warning("cell %s on %s: %s: started again", cell_id, cell.host, why)
+        for host, why in sorted(lost.items()):
+            self.lost.add(host)
+            for cell in [c for c in self.cells.values() if c.host == host]:
+                message = f"host {host} lost: {why}"
+                with get_client(sync_client=True) as client:
+                    client.set_flow_run_state(cell.flow_run_id, Crashed(message=message), force=True)
+                try:
+                    admin.declare_dead(cell.cell_id, message)
+                except AdminError as exc:  # not in the gateway (it never started): nothing to declare
+                    log.warning("cell %s: %s", cell.cell_id, exc)
+                target = self._least_loaded()
+                if target is None:
+                    raise RuntimeError(f"cell {cell.cell_id}: host {host} is lost and no live host has room")
+                run = self._start(cell.cell_id, target)
+                done.append(Replacement(cell.cell_id, host, target, run.flow_run_id, why))
+                log.warning(
+                    "cell %s: host %s lost (%s): started again on %s", cell.cell_id, host, why, target
+                )
+        self.replacements += done
+        return done
+
+    def _least_loaded(self) -> str | None:
+        held = {h.name: 0 for h in self.cluster.hosts if h.name not in self.lost}
+        for cell in self.cells.values():
+            if cell.host in held:
+                held[cell.host] += 1
+        room = [
+            name
+            for name, n in held.items()
+            if self.cluster.host(name).max_cells is None or n < self.cluster.host(name).max_cells
+        ]
+        return min(room, key=lambda name: (held[name], name)) if room else None
+
+    def watch(self, admin: AdminClient, stop: threading.Event) -> None:
+        """``replace_lost`` every ``watch_interval_s`` until ``stop`` is set; a check that fails is
+        logged and tried again."""
+        while not stop.wait(self.cluster.watch_interval_s):
+            try:
+                self.replace_lost(admin)
+            except Exception:  # one failed check must not end the watch
+                log.exception("cell fleet: checking the hosts failed")
+
+    def stop(self, timeout_s: float = 60.0) -> dict[str, str]:
+        """Cancels every cell's flow run (its worker stops the process, and with it the engine);
+        cell id -> the run's last state."""
+        from prefect import get_client
+        from prefect.states import Cancelling
+
+        with get_client(sync_client=True) as client:
+            for cell in self.cells.values():
+                state = client.read_flow_run(cell.flow_run_id).state
+                if state is None or not state.is_final():
+                    client.set_flow_run_state(cell.flow_run_id, Cancelling(), force=True)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                states = {c.cell_id: client.read_flow_run(c.flow_run_id).state for c in self.cells.values()}
+                if (
+                    all(s is not None and s.is_final() for s in states.values())
+                    or time.monotonic() > deadline
+                ):
+                    return {cell_id: s.name if s else "?" for cell_id, s in states.items()}
+                time.sleep(0.5)

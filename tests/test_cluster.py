@@ -1,0 +1,227 @@
+"""A campaign's cells on three hosts, each a long-lived flow run on its host's work pool: a real Prefect
+server and gateway in the root namespace, one process worker inside each host's network namespace
+(bench/netns.py). A host cut off stops its worker's heartbeats: its cell is marked Crashed, declared
+dead at the gateway and started again on another host, and an execution whose session was there goes
+on, its calls recorded once each."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from bench.netns import cut_off, hosts, root_address
+from deployments.cells import deploy_cells
+from deployments.deploy import ROOT, worker_command
+from engines.admin import AdminClient
+from engines.model.tokenizer import save_tokenizer
+from tasks.services.cluster import CellFleet, CellOrder, CellRun, ClusterConfig, HostSpec
+from tests.prefect_server import prefect_server
+from tests.test_gateway_fixtures import ADMIN_TOKEN, ENGINE_TOKEN, gateway_stack, scripted_model, tokenizer
+
+
+def test_a_cluster_places_cells_in_its_hosts_order_and_refuses_what_it_cannot_place():
+    cluster = ClusterConfig(
+        hosts=[
+            HostSpec(name="a", address="10.0.0.1", cells=2),
+            HostSpec(name="b", address="10.0.0.2", work_pool="gpu-b"),
+            HostSpec(name="c", address="10.0.0.3", cells=0),
+        ]
+    )
+    assert cluster.placement() == [("cell-0", "a"), ("cell-1", "a"), ("cell-2", "b")]
+    assert [h.pool() for h in cluster.hosts] == ["gyre-a", "gpu-b", "gyre-c"]
+    with pytest.raises(ValueError, match="share a name: a"):
+        ClusterConfig(hosts=[HostSpec(name="a", address="x"), HostSpec(name="a", address="y")])
+    with pytest.raises(ValueError, match="share a work pool: p"):
+        ClusterConfig(
+            hosts=[
+                HostSpec(name="a", address="x", work_pool="p"),
+                HostSpec(name="b", address="y", work_pool="p"),
+            ]
+        )
+    with pytest.raises(ValueError, match="places no cell"):
+        ClusterConfig(hosts=[HostSpec(name="a", address="x", cells=0)])
+    with pytest.raises(ValueError, match="host a: cells 3 is above its max_cells 2"):
+        ClusterConfig(hosts=[HostSpec(name="a", address="x", cells=3, max_cells=2)])
+    with pytest.raises(ValueError, match="pattern"):
+        HostSpec(name="A host", address="x")
+
+
+def test_a_lost_hosts_cell_goes_to_the_live_host_with_room_and_the_fewest_cells():
+    cluster = ClusterConfig(
+        hosts=[
+            HostSpec(name="a", address="x", cells=1, max_cells=1),
+            HostSpec(name="b", address="y", cells=2),
+            HostSpec(name="c", address="z", cells=1),
+        ]
+    )
+    fleet = CellFleet(cluster, CellOrder(policy="p", gateway_url="http://g"))
+    fleet.cells = {cell_id: CellRun(cell_id, host, "run") for cell_id, host in cluster.placement()}
+    fleet.lost = {"c"}
+    assert fleet._least_loaded() == "b"  # a is full, c is lost
+    fleet.lost = {"b", "c"}
+    assert fleet._least_loaded() is None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return scripted_model(tokenizer())
+
+
+def _worker(host, pool: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        host.command(worker_command(pool)),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _states(runs: list[str]) -> dict[str, tuple[str, str]]:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return {
+            r: (client.read_flow_run(r).state.type.value, client.read_flow_run(r).state.message or "")
+            for r in runs
+        }
+
+
+@pytest.mark.slow
+def test_cells_run_on_their_hosts_pools_and_a_cut_off_hosts_cell_moves_and_its_execution_goes_on(
+    tmp_path, model
+):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    folder = str(tmp_path / "policy")
+    model.save_pretrained(folder)
+    save_tokenizer(tokenizer(), folder)
+    with contextlib.ExitStack() as stack:
+        h1, h2, h3 = stack.enter_context(hosts(["h1", "h2", "h3"]))
+        assert h3.netns is not None  # root here: a host can be cut off
+        root = root_address(h1)
+        api_url, env = stack.enter_context(prefect_server(tmp_path / "prefect", host=root))
+        stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
+        gateway = stack.enter_context(gateway_stack(str(tmp_path / "gw"), model, engine_ids=(), host=root))
+        cluster = ClusterConfig(
+            hosts=[HostSpec(name=h.name, address=h.address) for h in (h1, h2, h3)], heartbeat_misses=3
+        )
+        assert set(deploy_cells(cluster)) == {"h1", "h2", "h3"}
+        worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_HEARTBEAT_SECONDS": "2"}
+        workers = [_worker(h, f"gyre-{h.name}", worker_env) for h in (h1, h2, h3)]
+        for worker in workers:
+            stack.callback(_stop, worker)
+        fleet = CellFleet(cluster, CellOrder(policy=folder, gateway_url=gateway.url))
+        fleet.save_tokens(ADMIN_TOKEN, ENGINE_TOKEN)
+        fleet.start()
+        admin = stack.enter_context(AdminClient(gateway.url, ADMIN_TOKEN, ENGINE_TOKEN))
+        stack.callback(fleet.stop)  # also after a failure: no engine outlives the test
+        urls = fleet.wait_serving(admin, timeout_s=300)
+        assert {c: u.split("//")[1].split(":")[0] for c, u in urls.items()} == {
+            "cell-0": h1.address,
+            "cell-1": h2.address,
+            "cell-2": h3.address,
+        }
+        first_runs = {c.cell_id: c.flow_run_id for c in fleet.cells.values()}
+        assert {s for s, _ in _states(list(first_runs.values())).values()} == {"RUNNING"}
+        assert fleet.lost_hosts() == {}
+
+        # one execution a cell: the gateway binds each new session to the least-loaded engine
+        clients = {}
+        for n in range(3):
+            client = gateway.client(gateway.register(f"x{n}"))
+            answer = client.completions.create(model="m", prompt=[5, 6, 7, n], max_tokens=4, seed=1)
+            clients[answer.model_extra["gyre"]["engine_id"]] = (f"x{n}", client)
+        assert set(clients) == {"cell-0", "cell-1", "cell-2"}
+
+        cut_off(h3)
+        cut_at = time.monotonic()
+        _until(lambda: "h3" in fleet.lost_hosts(), 60)
+        found_s = time.monotonic() - cut_at
+        assert set(fleet.lost_hosts()) == {"h3"}  # h1 and h2 beat on
+        replaced = fleet.replace_lost(admin)
+        assert [(r.cell_id, r.lost_host) for r in replaced] == [("cell-2", "h3")]
+        assert replaced[0].host in {"h1", "h2"} and replaced[0].flow_run_id != first_runs["cell-2"]
+        urls = fleet.wait_serving(admin, timeout_s=300)
+        moved_to = {"h1": h1, "h2": h2}[replaced[0].host].address
+        assert urls["cell-2"].startswith(f"http://{moved_to}:")
+        recovery_s = time.monotonic() - cut_at
+        state, message = _states([first_runs["cell-2"]])[first_runs["cell-2"]]
+        assert state == "CRASHED" and "host h3 lost" in message
+        assert fleet.replace_lost(admin) == []  # nothing else is lost or ended
+
+        execution, client = clients["cell-2"]  # its session's engine is gone with its KV
+        answer = client.completions.create(model="m", prompt=[5, 6, 7, 2, 9], max_tokens=4, seed=1)
+        assert answer.model_extra["gyre"]["engine_id"] in {"cell-0", "cell-1", "cell-2"}
+        stats = admin.gateway_stats()
+        assert {e.engine_id: e.state for e in stats.engines} == dict.fromkeys(
+            ("cell-0", "cell-1", "cell-2"), "active"
+        )
+        assert stats.engine_deaths == 1
+        for x, _ in clients.values():
+            gateway.finish(x)
+        assert len(gateway.calls(execution)) == 2  # each call recorded once
+        assert sum(len(gateway.calls(x)) for x, _ in clients.values()) == 4
+
+        states = fleet.stop()
+        assert states == dict.fromkeys(("cell-0", "cell-1", "cell-2"), "Cancelled")
+        for url in (urls["cell-0"], urls["cell-1"], urls["cell-2"]):  # the cancelled cells' engines stopped
+            _until(lambda u=url: not _answers(u), 60)
+        print(
+            f"host h3 found lost after {found_s:.1f} s; its cell serving again on {replaced[0].host} after "
+            f"{recovery_s:.1f} s"
+        )
+
+
+def _until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s"
+        time.sleep(0.5)
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def test_a_worker_silent_for_its_heartbeats_marks_its_host_lost(prefect_harness):
+    """lost_hosts compares each pool's workers' last heartbeat with their interval (the clock is the
+    fleet's), against the real API."""
+    import uuid
+
+    from prefect import get_client
+
+    from deployments.deploy import ensure_pool
+
+    pool = f"gyre-a-{uuid.uuid4().hex[:6]}"
+    cluster = ClusterConfig(hosts=[HostSpec(name="a", address="x", work_pool=pool)], heartbeat_misses=3)
+    now = [datetime.now(UTC)]
+    fleet = CellFleet(cluster, CellOrder(policy="p", gateway_url="http://g"), clock=lambda: now[0])
+    fleet.cells = {"cell-0": CellRun("cell-0", "a", "r")}
+    ensure_pool(pool)
+    assert "ever" in fleet.lost_hosts()["a"]  # no worker at all
+    with get_client(sync_client=True) as client:
+        client.send_worker_heartbeat(pool, "w1", heartbeat_interval_seconds=10)
+    assert fleet.lost_hosts() == {}
+    now[0] += timedelta(seconds=29)
+    assert fleet.lost_hosts() == {}
+    now[0] += timedelta(seconds=2)
+    assert "3.1 heartbeats" in fleet.lost_hosts()["a"]
