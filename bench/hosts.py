@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import statistics
@@ -58,15 +57,14 @@ import httpx
 import pyarrow.parquet as pq
 import s3fs
 import torch
-from moto.server import ThreadedMotoServer
 
 from bench.netns import TestHost, engine_on, hosts, root_address
+from bench.servers import s3_server
 from bench.train import workload
 from engines.admin import ENGINE_STATS, EXPORT_SESSION, IMPORT_SESSION, AdminClient
 from engines.model.build import save_model_folder
 from engines.model.config import ModelConfig
 from engines.model.weights import load_model, save_weights
-from engines.net import free_port
 from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
@@ -336,21 +334,11 @@ def _train_across_hosts(size: dict[str, Any], pace_s: float) -> dict[str, Any]:
         batch, _ = workload(f"{tmp}/data", vocab, size)
         local_uri = f"{tmp}/batch.parquet"
         pq.write_table(batch_to_table(batch, 0), local_uri)
-        address = root_address(h1)
-        port = free_port(address)
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request
-        s3 = ThreadedMotoServer(ip_address=address, port=port)
-        s3.start()
-        credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        credentials.update(AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=f"http://{address}:{port}")
-        saved = {key: os.environ.get(key) for key in credentials}
-        os.environ.update(credentials)  # the core's S3 environment, as the satellites have it
-        s3fs.S3FileSystem.clear_instance_cache()
-        try:
+        with s3_server(root_address(h1)) as (
+            bucket,
+            _,
+        ):  # the core's S3 environment, as the satellites have it
             fs = s3fs.S3FileSystem()
-            # its own bucket: moto keeps one store per process, which another server of it may have filled
-            bucket = f"bench-hosts-{os.getpid()}-{time.monotonic_ns()}"
-            fs.mkdir(bucket)
             fs.put_file(local_uri, f"{bucket}/run/step0/chunk0.parquet")
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             rows = {}
@@ -362,14 +350,6 @@ def _train_across_hosts(size: dict[str, Any], pace_s: float) -> dict[str, Any]:
             weight_bytes = fs.size(f"{bucket}/run/fast/step0-v0.safetensors")
             initial = load_model(model_dir, dtype="float32").state_dict()
             delivery = weight_delivery(model_dir, initial, h1, f"s3://{bucket}/policy", f"{tmp}/fast", env)
-        finally:
-            s3.stop()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            s3fs.S3FileSystem.clear_instance_cache()
     alone = rows["alone"].pop("weights")
     rows["alone"].pop("grad_elements")
     for place in SATELLITE_PLACES[1:]:

@@ -139,7 +139,7 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
         return []
     record_suites(config.problems, store)  # written once; on resume, refuses suites that changed
     records = []
-    with campaign_services(config.policy, store, config.serving) as services:
+    with campaign_services(config.policy, store, config.serving, config.cluster) as services:
         logger.info("campaign %s: steps %d to %d", config.name, start, config.steps - 1)
         _evaluate(config, services, start)
         if config.scheduler.policy is not None:

@@ -27,9 +27,12 @@ def cell(
     gateway_url: str,
     serving: dict[str, Any] | None = None,
     tokens_block: str = TOKENS_BLOCK,
+    weights: str | None = None,
+    version: int = 0,
 ) -> dict[str, Any]:
     """Serves the cell's engine on ``address`` behind the gateway until the run is cancelled or
-    marked crashed; the admin tokens come from the Secret block ``tokens_block``."""
+    marked crashed; the admin tokens come from the Secret block ``tokens_block``. ``weights``: the
+    campaign's current version (``version``), loaded before the engine joins the gateway."""
     tokens = Secret.load(tokens_block).get()
     run_id = flow_run.get_id()
     return serve_cell(
@@ -42,4 +45,6 @@ def cell(
         tokens["admin_token"],
         tokens["engine_admin_token"],
         should_stop=lambda: run_ended(run_id) if run_id else None,
+        weights=weights,
+        version=version,
     )

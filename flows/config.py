@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from tasks.campaign import DispatchConfig, EvaluationConfig, ProblemsConfig
 from tasks.schedule import SchedulerConfig
 from tasks.services.campaign import ServingConfig
+from tasks.services.cluster import ClusterConfig
 from tasks.tracking import TrackingConfig
 from tasks.train import TrainerConfig
 from tasks.trajectory import PackingConfig, SelectionConfig, StoreConfig
@@ -58,6 +59,9 @@ class CampaignConfig(BaseModel):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    cluster: ClusterConfig | None = Field(
+        None, description="the hosts the cells run on (None: every engine on this machine)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -77,6 +81,12 @@ class CampaignConfig(BaseModel):
                 f"[trainer] mini_batches = {self.trainer.mini_batches} and epochs = {self.trainer.epochs}: "
                 f"the scheduler's steps stream (policy {self.scheduler.policy!r}) and make one update each; "
                 "set both to 1, or leave [scheduler] policy unset"
+            )
+        if self.scheduler.policy is not None and self.cluster is not None:
+            raise ValueError(
+                f"[scheduler] policy = {self.scheduler.policy!r} with [cluster]: the elastic scheduler's cells run "
+                "on this machine only (not yet across hosts); leave [scheduler] policy unset for a campaign on "
+                "a cluster (every step rolls out on every cell, then trains)"
             )
         return self
 

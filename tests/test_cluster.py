@@ -7,19 +7,18 @@ on, its calls recorded once each."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from bench.cluster import start_worker, stop_process
 from bench.netns import cut_off, hosts, root_address
+from bench.servers import prefect_server
 from deployments.cells import deploy_cells
-from deployments.deploy import ROOT, worker_command
 from engines.admin import AdminClient
 from engines.model.tokenizer import save_tokenizer
 from tasks.services.cluster import CellFleet, CellOrder, CellRun, ClusterConfig, HostSpec
-from tests.prefect_server import prefect_server
 from tests.test_gateway_fixtures import ADMIN_TOKEN, ENGINE_TOKEN, gateway_stack, scripted_model, tokenizer
 
 
@@ -71,16 +70,6 @@ def model():
     return scripted_model(tokenizer())
 
 
-def _worker(host, pool: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        host.command(worker_command(pool)),
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
 def _states(runs: list[str]) -> dict[str, tuple[str, str]]:
     from prefect import get_client
 
@@ -112,9 +101,9 @@ def test_cells_run_on_their_hosts_pools_and_a_cut_off_hosts_cell_moves_and_its_e
         )
         assert set(deploy_cells(cluster)) == {"h1", "h2", "h3"}
         worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_HEARTBEAT_SECONDS": "2"}
-        workers = [_worker(h, f"gyre-{h.name}", worker_env) for h in (h1, h2, h3)]
+        workers = [start_worker(h, f"gyre-{h.name}", worker_env) for h in (h1, h2, h3)]
         for worker in workers:
-            stack.callback(_stop, worker)
+            stack.callback(stop_process, worker)
         fleet = CellFleet(cluster, CellOrder(policy=folder, gateway_url=gateway.url))
         fleet.save_tokens(ADMIN_TOKEN, ENGINE_TOKEN)
         fleet.start()
@@ -193,15 +182,6 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def test_a_worker_silent_for_its_heartbeats_marks_its_host_lost(prefect_harness):
     """lost_hosts compares each pool's workers' last heartbeat with their interval (the clock is the
     fleet's), against the real API."""
@@ -225,3 +205,29 @@ def test_a_worker_silent_for_its_heartbeats_marks_its_host_lost(prefect_harness)
     assert fleet.lost_hosts() == {}
     now[0] += timedelta(seconds=2)
     assert "3.1 heartbeats" in fleet.lost_hosts()["a"]
+
+
+@pytest.mark.slow
+def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_mid_step(tmp_path):
+    """The campaign (colocate) in the root namespace with its gateway on the hosts' network, its store
+    in S3 (a moto server there), and one cell on each of three hosts (bench/cluster.py). h3 is cut off
+    while step 1's executions run on it: its cell starts again on another host with version 1, the
+    executions go on from their recorded calls, and each execution and call is recorded once and
+    trained once."""
+    from bench.cluster import campaign_on_hosts
+
+    figures = campaign_on_hosts(tmp_path, cells=[1, 1, 1], cut="h3")
+    assert figures["steps"] == 2 and figures["executions_trained"] == [6, 6]
+    assert figures["executions"] == 12 and figures["executions_lost"] == 0
+    assert figures["executions_recorded_twice"] == 0 and figures["calls_recorded_twice"] == 0
+    assert figures["trained_twice"] == 0
+    # the cell started again on another host served version 1, the step's version, like the others
+    assert figures["call_versions_by_step"] == {0: [0], 1: [1]}
+    assert figures["sessions_on_cut_cell"] > 0 and figures["moved"]["cell-2"] in ("h1", "h2")
+    runs = figures["cell_runs"]
+    moved = f"cell-2-on-{figures['moved']['cell-2']}"
+    assert sorted(runs) == sorted(["cell-0-on-h1", "cell-1-on-h2", "cell-2-on-h3", moved])
+    assert runs["cell-2-on-h3"]["state"] == "CRASHED" and "host h3 lost" in runs["cell-2-on-h3"]["message"]
+    assert {runs[n]["state"] for n in ("cell-0-on-h1", "cell-1-on-h2", moved)} == {"CANCELLED"}
+    assert 0 < figures["found_lost_s"] <= figures["recovery_s"]
+    assert all(n > 0 for n in figures["bytes_on_host_links"].values())

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.servers import prefect_server
 from deployments.deploy import DEFAULT_FILE, ROOT, check, read_specs, worker_command
-from tests.prefect_server import prefect_server
 
 
 def test_the_shipped_deployments_load_validate_and_have_schedules():

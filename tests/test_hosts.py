@@ -395,7 +395,7 @@ def test_the_hosts_benchmark_trains_a_step_with_a_satellite_on_each_side_and_the
         assert sum(places[place]["micro_batches_by_participant"].values()) == figures["micro_batches"]
         assert places[place]["update_rel_diff_vs_alone"] <= 1e-4
     assert re.fullmatch(
-        r"s3://bench-hosts-[\d-]+/run/fast/step0-v0\.safetensors", places["other_host"]["satellite_weights"]
+        r"s3://gyre-[\d-]+/run/fast/step0-v0\.safetensors", places["other_host"]["satellite_weights"]
     )
     assert not places["same_host"]["satellite_weights"].startswith("s3://")
     assert figures["bytes_between_hosts"]["weights"] > 10_000_000  # the tiny preset: 3M float32 weights

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 
 import fsspec
@@ -26,6 +27,7 @@ from engines.admin import AdminClient
 from engines.devices import CellDevices
 from engines.net import host_of
 from engines.train.core import default_fast_dir
+from tasks.services.cluster import CellFleet, CellOrder, ClusterConfig
 from tasks.services.stack import LocalStack, local_stack
 from tasks.services.up import ServingConfig, UpRecord, running_stack
 from trajectory_store.storage import Store, StoreConfig
@@ -40,6 +42,11 @@ class Services(BaseModel):
     engine_admin_token: SecretStr
     policy_root: str = Field(description="URL of the campaign folder: versions go under policy/v<n>/")
     fast_dir: str = Field(description="in-host folder of published weights (what engines load)")
+    cells_on_hosts: bool = Field(
+        False,
+        description="the engines are cells on the hosts of [cluster] (tasks/services/cluster.py): a cell that "
+        "moves changes its URL, so the engines in use are the gateway's live ones (live_engine_urls)",
+    )
     cell_cgroups: list[list[str]] = Field(
         default_factory=list,
         description="each cell's CPU cgroup folders (cell i: engine i) when the stack gave its cells their "
@@ -55,15 +62,18 @@ class Services(BaseModel):
 
 
 @contextlib.contextmanager
-def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) -> Iterator[Services]:
+def campaign_services(
+    model: str, store: StoreConfig, serving: ServingConfig, cluster: ClusterConfig | None = None
+) -> Iterator[Services]:
     """The stack `gyre up` runs for this data root and policy (left running), or else engines and a
-    gateway started on loopback for the duration of the block."""
+    gateway started on loopback for the duration of the block. With ``cluster``: the gateway on the
+    cluster's gateway address and the cells on their hosts (``cluster_stack``)."""
     fast_dir = os.path.join(default_fast_dir(), f"campaign-{store.campaign}-{os.getpid()}")
     os.makedirs(fast_dir, exist_ok=True)
     target = Store(store)
 
-    def services(stack: LocalStack | UpRecord) -> Services:
-        return Services(
+    def services(stack: LocalStack | UpRecord, **more) -> Services:
+        fields = dict(
             gateway_url=stack.gateway_url,
             admin_token=SecretStr(stack.admin_token),
             engine_urls=stack.engine_urls,
@@ -72,8 +82,13 @@ def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) ->
             fast_dir=fast_dir,
             cell_cgroups=[c.cgroup for c in getattr(stack, "cells", []) if c.cgroup is not None],
         )
+        return Services(**{**fields, **more})
 
     try:
+        if cluster is not None:
+            with cluster_stack(model, store, serving, cluster) as (stack, urls):
+                yield services(stack, engine_urls=urls, cells_on_hosts=True)
+            return
         running = running_stack(store.data_root, model, serving.engine)
         if running is not None:
             if serving.partition == "cgroup":
@@ -89,6 +104,72 @@ def campaign_services(model: str, store: StoreConfig, serving: ServingConfig) ->
             yield services(stack)
     finally:
         shutil.rmtree(fast_dir, ignore_errors=True)
+
+
+_FLEETS: dict[str, CellFleet] = {}
+"""The cell fleet of each campaign in this process, by its gateway URL: serve_version tells it the
+version a cell started from then on loads."""
+
+CELL_SERVING = (
+    "engine",
+    "engine_threads",
+    "max_batch_size",
+    "engine_dtype",
+    "vllm_python",
+    "vllm_kv_cache_gib",
+    "vllm_args",
+    "tensor_parallel_size",
+)
+"""The [serving] fields a cell's engine takes (the others place processes on this machine)."""
+
+
+@contextlib.contextmanager
+def cluster_stack(
+    model: str, store: StoreConfig, serving: ServingConfig, cluster: ClusterConfig
+) -> Iterator[tuple[LocalStack, list[str]]]:
+    """The gateway on ``cluster.gateway_address`` and every cell of the cluster serving behind it
+    (flow runs of the hosts' `gyre-cell` deployments, on the current Prefect API), watched: a lost
+    host's cells start again elsewhere while the block runs. (the gateway's stack, the cells' URLs)."""
+    if cluster.gateway_address is None:
+        raise ValueError(
+            "[cluster] gateway_address is not set: give the address of this machine that every host reaches "
+            "(the campaign's gateway listens there and the cells join it)"
+        )
+    with local_stack(model, store, engines=0, serving=serving, gateway_host=cluster.gateway_address) as stack:
+        order = CellOrder(
+            policy=model, gateway_url=stack.gateway_url, serving=serving.model_dump(include=set(CELL_SERVING))
+        )
+        fleet = CellFleet(cluster, order)
+        fleet.save_tokens(stack.admin_token, stack.engine_admin_token)
+        stop = threading.Event()
+        with AdminClient(stack.gateway_url, stack.admin_token, stack.engine_admin_token) as admin:
+            try:
+                fleet.start()
+                urls = fleet.wait_serving(admin)
+                _FLEETS[stack.gateway_url] = fleet
+                watch = threading.Thread(
+                    target=fleet.watch, args=(admin, stop), name="cell-fleet", daemon=True
+                )
+                watch.start()
+                yield stack, [urls[cell_id] for cell_id, _ in cluster.placement()]
+            finally:
+                stop.set()
+                _FLEETS.pop(stack.gateway_url, None)
+                fleet.stop()
+
+
+def running_fleets() -> list[CellFleet]:
+    """The cell fleets of the campaigns running in this process (their cells on hosts)."""
+    return list(_FLEETS.values())
+
+
+def live_engine_urls(services: Services) -> list[str]:
+    """The engines a step uses: the gateway's live ones for cells on hosts (a moved cell has a new URL),
+    else the stack's."""
+    if not services.cells_on_hosts:
+        return list(services.engine_urls)
+    with gateway_admin(services) as admin:
+        return [e.url for e in admin.gateway_stats().engines if e.state != "dead"]
 
 
 def policy_path(services: Services, version: int, init_model: str) -> str:
@@ -125,6 +206,9 @@ def serve_version(services: Services, engines: list[str], version: int, path: st
     and the step runs on the others; with none reachable it raises. ``path`` is on this host: an engine
     whose URL names another host loads the version from the campaign's object storage instead
     (`remote_policy_path`)."""
+    fleet = _FLEETS.get(services.gateway_url)
+    if fleet is not None:  # a cell started from now on serves this version
+        fleet.serving(version, remote_policy_path(services, version, path))
     done = {}
     with _engine(services) as admin:
         for url in engines:

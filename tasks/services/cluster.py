@@ -30,22 +30,27 @@ tasks/services/up.py runs every engine on this machine.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from engines.admin import AdminClient, AdminError
 from engines.devices import CellDevices, process_env
 from engines.net import free_port
 from tasks.services.serving import ServingConfig, engine_process
 from tasks.services.stack import serving_process
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,8 @@ TOKENS_BLOCK = "gyre-cell-tokens"
 
 
 class HostSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is refused, not ignored
+
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,40}$", description="the host's name in the campaign")
     address: str = Field(
         min_length=1, description="where the other hosts reach it (its engines listen on it)"
@@ -74,6 +81,11 @@ class ClusterConfig(BaseModel):
     """``[cluster]``: the hosts a campaign's cells run on."""
 
     hosts: list[HostSpec] = Field(min_length=1)
+    gateway_address: str | None = Field(
+        None,
+        description="the address of the machine the campaign runs on that every host reaches: the campaign's "
+        "gateway listens there (a campaign with [cluster] needs it)",
+    )
     heartbeat_misses: PositiveInt = Field(
         3, description="worker heartbeats a host may miss before its cells are replaced"
     )
@@ -116,6 +128,8 @@ class CellOrder:
     gateway_url: str  # as the hosts reach it
     serving: dict[str, Any] = field(default_factory=dict)  # ServingConfig fields (engine kind, threads, ...)
     tokens_block: str = TOKENS_BLOCK
+    weights: str | None = None  # the version a cell started now loads first (a URL the hosts read)
+    version: int = 0
 
     def parameters(self, cell_id: str, host: HostSpec) -> dict[str, Any]:
         """The cell flow run's parameters (shown in the UI: no secret)."""
@@ -127,6 +141,8 @@ class CellOrder:
             "gateway_url": self.gateway_url,
             "serving": self.serving,
             "tokens_block": self.tokens_block,
+            "weights": self.weights,
+            "version": self.version,
         }
 
 
@@ -141,11 +157,14 @@ def serve_cell(
     engine_admin_token: str,
     *,
     should_stop: Callable[[], str | None],
+    weights: str | None = None,
+    version: int = 0,
     poll_s: float = 2.0,
 ) -> dict[str, Any]:
-    """A cell's life on its host: its engine listening on ``address``, added to the gateway as
-    ``cell_id`` on ``host``, until ``should_stop`` gives a reason (returned) or the engine dies
-    (RuntimeError). The engine stops with the block, also when the flow run is cancelled."""
+    """A cell's life on its host: its engine listening on ``address`` (serving ``weights`` as
+    ``version`` when given: the campaign's current version, for a cell started mid-campaign), added to
+    the gateway as ``cell_id`` on ``host``, until ``should_stop`` gives a reason (returned) or the
+    engine dies (RuntimeError). The engine stops with the block, also when the flow run is cancelled."""
     port = free_port(address)
     command, stdin, _ = engine_process(
         policy, serving, port, engine_admin_token, host=address, engine_id=cell_id
@@ -156,8 +175,12 @@ def serve_cell(
         serving_process(command, url, env, stdin=stdin) as engine,
         AdminClient(gateway_url, admin_token, engine_admin_token) as admin,
     ):
+        if weights is not None:
+            admin.load_weights(url, weights, version, drop_kv=True)
         added = admin.add_engine(url, engine_id=cell_id, host=host)
-        print(f"cell {cell_id} on {host}: engine {added.engine_id} at {url} serves {policy}")
+        print(
+            f"cell {cell_id} on {host}: engine {added.engine_id} at {url} serves {weights or policy} (v{version})"
+        )
         while True:
             if engine.poll() is not None:
                 raise RuntimeError(
@@ -209,28 +232,56 @@ class CellFleet:
     def __init__(
         self, cluster: ClusterConfig, order: CellOrder, *, clock: Callable[[], datetime] | None = None
     ):
+        from prefect.settings import PREFECT_API_URL
+
         self.cluster, self.order = cluster, order
+        # the API of the caller's context, also for the watch thread (which need not see that context)
+        self.api_url: str | None = PREFECT_API_URL.value()
         self.cells: dict[str, CellRun] = {}
         self.replacements: list[Replacement] = []
         self.lost: set[str] = set()
         self._now = clock or (lambda: datetime.now(UTC))
 
+    def serving(self, version: int, weights: str) -> None:
+        """The version the campaign serves now (``weights``: a URL every host reads): what a cell
+        started from now on loads before it joins the gateway."""
+        self.order = dataclasses.replace(self.order, weights=weights, version=version)
+
+    @contextlib.contextmanager
+    def _client(self) -> Iterator[SyncPrefectClient]:
+        from prefect import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with contextlib.ExitStack() as stack:
+            if self.api_url is not None:
+                stack.enter_context(temporary_settings({PREFECT_API_URL: self.api_url}))
+            yield stack.enter_context(get_client(sync_client=True))
+
     def save_tokens(self, admin_token: str, engine_admin_token: str) -> None:
         from prefect.blocks.system import Secret
+        from prefect.settings import PREFECT_API_URL, temporary_settings
 
         value = {"admin_token": admin_token, "engine_admin_token": engine_admin_token}
-        Secret(value=value).save(self.order.tokens_block, overwrite=True)
+        with temporary_settings({PREFECT_API_URL: self.api_url} if self.api_url else {}):
+            Secret(value=value).save(self.order.tokens_block, overwrite=True)
 
     def start(self) -> list[CellRun]:
         """A flow run for every cell of the placement, on its host's pool."""
         return [self._start(cell_id, host) for cell_id, host in self.cluster.placement()]
 
     def _start(self, cell_id: str, host: str) -> CellRun:
-        from prefect import get_client
 
         spec = self.cluster.host(host)
-        with get_client(sync_client=True) as client:
-            deployment = client.read_deployment_by_name(f"{CELL_FLOW}/{host}")
+        from prefect.exceptions import ObjectNotFound
+
+        with self._client() as client:
+            try:
+                deployment = client.read_deployment_by_name(f"{CELL_FLOW}/{host}")
+            except ObjectNotFound:
+                raise RuntimeError(
+                    f"cell {cell_id}: the server has no deployment {CELL_FLOW}/{host}: register the cells' "
+                    "deployments first (`gyre cluster deploy --config <campaign.toml>`)"
+                ) from None
             run = client.create_flow_run_from_deployment(
                 deployment.id, parameters=self.order.parameters(cell_id, spec), name=f"{cell_id}-on-{host}"
             )
@@ -240,7 +291,6 @@ class CellFleet:
     def wait_serving(self, admin: AdminClient, timeout_s: float = 300.0) -> dict[str, str]:
         """Waits until every cell's engine is active in the gateway at its host's address; cell id ->
         engine URL. A cell whose flow run ends first raises RuntimeError with its state's message."""
-        from prefect import get_client
 
         deadline = time.monotonic() + timeout_s
         while True:
@@ -254,7 +304,7 @@ class CellFleet:
             }
             if len(serving) == len(self.cells):
                 return serving
-            with get_client(sync_client=True) as client:
+            with self._client() as client:
                 for cell in self.cells.values():
                     state = client.read_flow_run(cell.flow_run_id).state
                     if state is not None and state.is_final():
@@ -269,10 +319,9 @@ class CellFleet:
     def lost_hosts(self) -> dict[str, str]:
         """Hosts holding cells whose pool has no worker that beat within ``heartbeat_misses`` of its
         heartbeats: host -> why."""
-        from prefect import get_client
 
         now, lost = self._now(), {}
-        with get_client(sync_client=True) as client:
+        with self._client() as client:
             for host in {c.host for c in self.cells.values()}:
                 pool = self.cluster.host(host).pool()
                 beats = [
@@ -289,12 +338,11 @@ class CellFleet:
         """Every cell of a lost host: its flow run marked Crashed, its engine declared dead at the
         gateway, and a new run of it on the live host with the fewest cells. A cell whose run ended on
         a live host (its engine died, say) starts again there."""
-        from prefect import get_client
         from prefect.states import Crashed
 
         lost = self.lost_hosts()
         done = []
-        with get_client(sync_client=True) as client:
+        with self._client() as client:
             ended = {
                 c.cell_id: state
                 for c in self.cells.values()
@@ -312,7 +360,7 @@ class CellFleet:
             self.lost.add(host)
             for cell in [c for c in self.cells.values() if c.host == host]:
                 message = f"host {host} lost: {why}"
-                with get_client(sync_client=True) as client:
+                with self._client() as client:
                     client.set_flow_run_state(cell.flow_run_id, Crashed(message=message), force=True)
                 try:
                     admin.declare_dead(cell.cell_id, message)
@@ -353,10 +401,9 @@ class CellFleet:
     def stop(self, timeout_s: float = 60.0) -> dict[str, str]:
         """Cancels every cell's flow run (its worker stops the process, and with it the engine);
         cell id -> the run's last state."""
-        from prefect import get_client
         from prefect.states import Cancelling
 
-        with get_client(sync_client=True) as client:
+        with self._client() as client:
             for cell in self.cells.values():
                 state = client.read_flow_run(cell.flow_run_id).state
                 if state is None or not state.is_final():

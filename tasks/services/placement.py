@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engines.devices import CellDevices
-from tasks.services.campaign import Services, ServingConfig
+from tasks.services.campaign import Services, ServingConfig, live_engine_urls
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,12 @@ class Colocate:
     """The whole pool rolls out, then the whole pool trains (engines asleep, their memory freed)."""
 
     def rollout(self, services: Services, serving: ServingConfig) -> Phase:
-        return Phase(serving=list(services.engine_urls), sleeping=[], trainer_threads=0)
+        return Phase(serving=live_engine_urls(services), sleeping=[], trainer_threads=0)
 
     def training(self, services: Services, serving: ServingConfig) -> Phase:
         return Phase(
             serving=[],
-            sleeping=list(services.engine_urls),
+            sleeping=live_engine_urls(services),
             trainer_threads=serving.trainer_threads,
             trainer=serving.trainer_cell(),  # the whole pool trains: in no one cell's CPU quota
         )

@@ -69,6 +69,7 @@ def local_stack(
     vllm_python: str | None = None,
     serving: ServingConfig | None = None,
     partition: Literal["none", "cgroup"] | None = None,
+    gateway_host: str = "127.0.0.1",
 ) -> Iterator[LocalStack]:
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
     its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk.
@@ -76,7 +77,8 @@ def local_stack(
     one per engine, in place of ``threads``. ``engine``: 'gyre' or 'vllm' (tasks/services/serving.py);
     ``serving``: a campaign's whole [serving] (its engine kind and vLLM options) in place of
     max_batch_size, dtype, engine and vllm_python. ``partition``: 'cgroup' gives each cell its CPU share
-    as a cgroup quota (None: ``serving``'s, else 'none')."""
+    as a cgroup quota (None: ``serving``'s, else 'none'). ``gateway_host``: where the gateway listens
+    (an address other hosts reach, for engines there: tasks/services/cluster.py)."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     env = {**os.environ, **process_env(CellDevices(threads=threads))}
     if cells is not None and len(cells) != engines:
@@ -102,7 +104,8 @@ def local_stack(
             engine_urls.append(url)
         gateway = GatewayConfig(
             model=model_dir,
-            port=free_port(),
+            host=gateway_host,
+            port=free_port(gateway_host),
             engines=[EngineSpec(url=url) for url in engine_urls],
             admin_token=admin_token,
             engine_admin_token=engine_token,

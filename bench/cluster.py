@@ -1,0 +1,269 @@
+"""A campaign whose cells run on test hosts, measured: what `gyre bench hosts` reports under `campaign`,
+and what tests/test_cluster.py checks.
+
+    figures = campaign_on_hosts(workdir, cells=[1, 1, 1], cut="h3")
+
+Hosts h1..hN are network namespaces (bench/netns.py); ``cells[i]`` cells are placed on host i+1. The
+Prefect server and the S3 store (moto) listen on the root namespace's address on the hosts' network,
+and so does the campaign's gateway; the campaign process (the dispatcher, the harness, the trainer)
+runs in the root namespace. Each host runs one process worker of its pool, which runs that host's
+cells (flows/cell.py). The campaign is colocate: every step rolls out on every cell, then trains.
+
+With ``cut``, that host's link goes down once its first cell serves version 1 and holds sessions
+(step 1 rolls out there): the cell fleet finds the host's worker silent, marks its cells crashed and
+starts them again on the other hosts with version 1; calls in flight there re-run elsewhere from
+their recorded prompts.
+
+The figures: step times, the bytes that crossed each host's link (its interface counters: weights
+from S3, calls and answers, health checks, Prefect), and with a cut host, when it was found lost
+(``found_lost_s``) and when its cells served again elsewhere (``recovery_s``), both from the cut;
+executions lost (dispatched but not recorded, or recorded with fewer calls than they made), calls
+recorded twice, and executions trained in more than one step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import io
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from bench.netns import TestHost, cut_off, hosts, root_address
+from bench.servers import prefect_server, s3_server
+from deployments.cells import deploy_cells
+from deployments.deploy import ROOT, worker_command
+from engines.admin import AdminClient
+
+STEPS = 2
+PER_STEP = 3  # problems a step, each a group of 2: 6 executions a step
+HEARTBEAT_S = 2  # the workers' heartbeat (Prefect's default is 30 s)
+
+
+def campaign_config(name: str, policy: str, data_root: str, cluster: dict[str, Any]):
+    from flows.config import CampaignConfig
+
+    return CampaignConfig.model_validate(
+        {
+            "name": name,
+            "policy": policy,
+            "steps": STEPS,
+            "store": {"data_root": data_root},
+            "packing": {"token_budget": 8192},
+            "problems": {"suites": ["terminal"], "per_step": PER_STEP, "zero_signal": "keep"},
+            "evaluation": {"per_suite": 1},
+            "dispatch": {
+                "group_size": 2,
+                "concurrency": 2 * PER_STEP,
+                "timeout_s": 120,
+                "durations": {"short_turns": 3, "long_fraction": 0.0},
+                "harness": {"max_tokens": 24, "max_retries": 0, "max_subagents": 0},
+            },
+            "trainer": {"lr": 1e-4},
+            "serving": {"trainer_threads": 1},
+            "cluster": cluster,
+        }
+    )
+
+
+def link_bytes(host: TestHost) -> int:
+    """Bytes received and sent on the host's link so far (0 on a loopback host)."""
+    if host.netns is None:
+        return 0
+    out = subprocess.run(
+        ["ip", "-n", host.netns, "-s", "-j", "link", "show", "eth0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    link = json.loads(out)[0]["stats64"]
+    return int(link["rx"]["bytes"]) + int(link["tx"]["bytes"])
+
+
+def campaign_on_hosts(workdir: Path, cells: list[int], cut: str | None = None) -> dict[str, Any]:
+    """Runs the campaign with ``cells[i]`` cells on host h<i+1>, cutting host ``cut`` off during step
+    1; its figures, and the checks of what it recorded (see the module's docstring)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from engines.model import ModelConfig, init_model
+    from flows.campaign import campaign, campaign_store
+    from trajectory_store.config import SelectionConfig
+    from trajectory_store.db import connect
+    from trajectory_store.storage import Store
+
+    policy = str(workdir / "policy")
+    init_model(ModelConfig(preset="tiny", seed=0), policy)
+    names = [f"h{i + 1}" for i in range(len(cells))]
+    with contextlib.ExitStack() as stack:
+        test_hosts = stack.enter_context(hosts(names))
+        by_name = {h.name: h for h in test_hosts}
+        if cut is not None and by_name[cut].netns is None:
+            raise RuntimeError("a host can be cut off only in a network namespace (this machine gives none)")
+        root = root_address(test_hosts[0])
+        bucket, _ = stack.enter_context(s3_server(root))
+        api_url, env = stack.enter_context(prefect_server(workdir / "prefect", host=root))
+        stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
+        cluster = {
+            "hosts": [
+                {"name": h.name, "address": h.address, "cells": n}
+                for h, n in zip(test_hosts, cells, strict=True)
+            ],
+            "gateway_address": root,
+            "heartbeat_misses": 3,
+            "watch_interval_s": 1.0,
+        }
+        config = campaign_config("across", policy, f"s3://{bucket}/data", cluster)
+        deploy_cells(config.cluster)
+        worker_env = {
+            **env,
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_WORKER_HEARTBEAT_SECONDS": str(HEARTBEAT_S),
+        }
+        for host in test_hosts:
+            stack.callback(stop_process, start_worker(host, f"gyre-{host.name}", worker_env))
+
+        result: dict[str, Any] = {}
+        context = contextvars.copy_context()  # the campaign's thread talks to this Prefect server
+
+        def run() -> None:
+            try:
+                result["records"] = context.run(campaign, config)
+            except BaseException as exc:  # reported below
+                result["error"] = exc
+
+        bytes_before = {h.name: link_bytes(h) for h in test_hosts}
+        started = time.monotonic()
+        thread = threading.Thread(target=run, name="campaign")
+        thread.start()
+        cutting = _cut_during_step_1(by_name[cut], thread, result) if cut else {}
+        thread.join(1800)
+        if thread.is_alive() or "error" in result:
+            raise RuntimeError(f"the campaign on {len(cells)} hosts failed: {result.get('error')!r}")
+        wall_s = time.monotonic() - started
+        link = {h.name: link_bytes(h) - bytes_before[h.name] for h in test_hosts}
+
+        records = result["records"]
+        store, _ = campaign_store(config)
+        target = Store(store)
+        con = connect(target, SelectionConfig())
+        executions = con.sql("SELECT count(*), count(DISTINCT execution_id) FROM executions").fetchall()[0]
+        calls = con.sql("SELECT count(*), count(DISTINCT (execution_id, call_id)) FROM calls").fetchall()[0]
+        short = con.sql(
+            "SELECT count(*) FROM executions e WHERE n_calls != "
+            "(SELECT count(*) FROM calls c WHERE c.execution_id = e.execution_id)"
+        ).fetchall()[0][0]
+        versions = dict(
+            con.sql("SELECT step, list(DISTINCT policy_version) FROM calls GROUP BY ALL").fetchall()
+        )
+        trained: dict[str, int] = {}
+        for step in range(STEPS):
+            data = target.read_bytes(target.path(f"batches/step={step}/packed.parquet"))
+            table = pq.read_table(io.BytesIO(data), columns=["executions"])
+            for execution in {e for row in table.column("executions").to_pylist() for e in row}:
+                trained[execution] = trained.get(execution, 0) + 1
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["gyre-cell"])))
+        cell_runs = {r.name: {"state": r.state.type.value, "message": r.state.message or ""} for r in runs}
+
+    dispatched = STEPS * PER_STEP * 2
+    step_s = [round(r.metrics["step_s"], 2) for r in records]
+    return {
+        "hosts": len(cells),
+        "cells": dict(zip(names, cells, strict=True)),
+        "namespaces": test_hosts[0].netns is not None,
+        "steps": len(records),
+        "step_s": step_s,
+        "step_s_mean": round(sum(step_s) / len(step_s), 2),
+        "wall_s": round(wall_s, 1),
+        "executions": executions[0],
+        "executions_lost": dispatched - executions[1] + short,
+        "executions_recorded_twice": executions[0] - executions[1],
+        "calls_recorded_twice": calls[0] - calls[1],
+        "trained_twice": sum(1 for n in trained.values() if n > 1),
+        "executions_trained": [int(r.metrics["executions_trained"]) for r in records],
+        "call_versions_by_step": {int(k): sorted(v) for k, v in versions.items()},
+        "bytes_on_host_links": link,
+        "bytes_between_hosts_per_step": round(sum(link.values()) / max(len(records), 1)),
+        "cell_runs": cell_runs,
+        **cutting,
+    }
+
+
+def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -> dict[str, Any]:
+    """Cuts ``host`` off once its first cell serves version 1 and holds sessions (step 1 rolls out
+    there); then waits until the fleet has found it lost and its cells serve again elsewhere."""
+    from prefect.blocks.system import Secret
+
+    from tasks.services.campaign import running_fleets
+
+    deadline = time.monotonic() + 900
+
+    def alive(what: str) -> None:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: {result.get('error')!r}")
+
+    while not running_fleets():
+        alive("the campaign's cells never served")
+        time.sleep(0.5)
+    fleet = running_fleets()[0]
+    mine = sorted(c.cell_id for c in fleet.cells.values() if c.host == host.name)
+    tokens = Secret.load(fleet.order.tokens_block).get()
+    with AdminClient(fleet.order.gateway_url, tokens["admin_token"], tokens["engine_admin_token"]) as admin:
+        while True:
+            alive(f"step 1 never ran on {host.name}")
+            view = next((e for e in admin.gateway_stats().engines if e.engine_id == mine[0]), None)
+            if view is not None and view.sessions > 0 and admin.engine_stats(view.url).policy_version == 1:
+                break
+            time.sleep(0.2)
+        cut_off(host)
+        cut_at = time.monotonic()
+        found = None
+        while True:
+            alive(f"the cells of {host.name} never served again")
+            if found is None and host.name in fleet.lost:
+                found = time.monotonic() - cut_at
+            engines = {e.engine_id: e for e in admin.gateway_stats().engines}
+            moved = [
+                c
+                for c in mine
+                if c in engines
+                and engines[c].state == "active"
+                and f"//{host.address}:" not in engines[c].url
+            ]
+            if len(moved) == len(mine):
+                break
+            time.sleep(0.2)
+    return {
+        "cut": host.name,
+        "sessions_on_cut_cell": view.sessions,
+        "found_lost_s": round(found if found is not None else time.monotonic() - cut_at, 2),
+        "recovery_s": round(time.monotonic() - cut_at, 2),
+        "moved": {r.cell_id: r.host for r in fleet.replacements},
+    }
+
+
+def start_worker(host: TestHost, pool: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        host.command(worker_command(pool)),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
