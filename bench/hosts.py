@@ -35,8 +35,14 @@ Weight delivery (`train.weight_delivery`): three new versions sent to two engine
 `serve_version` sends them, the file to an engine on the core's host and the S3 URL to one on
 another host; each engine's load-and-swap call, timed.
 
-Not measured yet (issue 36): step time on 1 host against 3 of the same CPU budget, recovery after a
-host is cut off, executions lost or trained twice.
+A campaign across hosts (`campaign`, bench/cluster.py): two steps of a small colocate campaign whose
+three cells are flow runs on the hosts' work pools, on one host against three (the same two cores
+either way: on this machine the hosts share them), and on three with h3 cut off during step 1: step
+times, the bytes that crossed the hosts' links per step (their interface counters), when the host
+was found lost and its cell served again elsewhere, and executions lost, recorded twice or trained
+twice (goal 0).
+
+Not measured: the simulator's prediction for the same topology (sim/ has no hosts yet).
 """
 
 from __future__ import annotations
@@ -388,11 +394,60 @@ def _train_across_hosts(size: dict[str, Any], pace_s: float) -> dict[str, Any]:
     return figures
 
 
+CAMPAIGN_RUNS = {"1_host": ([3], None), "3_hosts": ([1, 1, 1], None), "3_hosts_h3_cut": ([1, 1, 1], "h3")}
+"""The campaign runs (bench/cluster.py): its three cells on one host, one on each of three hosts, and
+the same with h3 cut off during step 1 (quick: that one alone)."""
+
+
+def campaign_across_hosts(quick: bool = False) -> dict[str, Any]:
+    """The campaign of bench/cluster.py on 1 host and on 3 (the same three cells, the same two cores),
+    and on 3 with one cut off mid-step: step times, bytes on the hosts' links, recovery, and what was
+    lost or counted twice."""
+    from bench.cluster import campaign_on_hosts
+
+    runs = {}
+    for name, (cells, cut) in CAMPAIGN_RUNS.items():
+        if quick and cut is None:
+            continue
+        with tempfile.TemporaryDirectory(prefix=f"gyre-bench-hosts-{name}-") as tmp:
+            row = campaign_on_hosts(Path(tmp), cells, cut)
+        row.pop("cell_runs")
+        runs[name] = row
+        print(
+            f"campaign    {name:<15} steps {row['step_s']} s  bytes on host links a step "
+            f"{row['bytes_between_hosts_per_step'] / 2**20:6.1f} MiB  executions {row['executions']}  lost "
+            f"{row['executions_lost']}  trained twice {row['trained_twice']}  calls recorded twice "
+            f"{row['calls_recorded_twice']}"
+            + (
+                f"  cut {row['cut']}: found lost {row['found_lost_s']} s, serving again {row['recovery_s']} s "
+                f"(moved {row['moved']})"
+                if cut
+                else ""
+            ),
+            flush=True,
+        )
+    cut_run = runs["3_hosts_h3_cut"]
+    figures: dict[str, Any] = {
+        "runs": runs,
+        "hosts": cut_run["hosts"],
+        "executions_lost": cut_run["executions_lost"],
+        "trained_twice": cut_run["trained_twice"],
+        "recovery_s": cut_run["recovery_s"],
+        "bytes_between_hosts_per_step": cut_run["bytes_between_hosts_per_step"],
+    }
+    if "1_host" in runs:
+        figures["step_s_1_host"] = runs["1_host"]["step_s_mean"]
+        figures["step_s_3_hosts"] = runs["3_hosts"]["step_s_mean"]
+        figures["bytes_between_hosts_per_step"] = runs["3_hosts"]["bytes_between_hosts_per_step"]
+    return figures
+
+
 def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     started = time.perf_counter()
     sizes, rounds = (QUICK_SIZES, 1) if quick else (SIZES, ROUNDS)
     report: dict[str, Any] = {"quick": quick, "kv_migration": kv_migration(sizes, rounds)}
     report["train"] = train_across_hosts()
+    report["campaign"] = campaign_across_hosts(quick)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
@@ -412,12 +467,20 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     if any(places[p]["update_rel_diff_vs_alone"] > 1e-4 for p in SATELLITE_PLACES[1:]):
         print("a step with a satellite made another update than the core alone", file=sys.stderr)
         return 1
+    campaign = report["campaign"]
+    if campaign["executions_lost"] or campaign["trained_twice"]:
+        print("the campaign with a host cut off lost executions or trained one twice", file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8K tokens only, one round")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="8K tokens only, one round; the campaign only with a host cut off",
+    )
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     sys.exit(main(args.quick, args.out))

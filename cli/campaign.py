@@ -7,6 +7,7 @@ gyre down                                   stops what `gyre up` started, nothin
 gyre run [--config configs/demo.toml]       up + the campaign (progress on stderr) + a summary
          [--policy DIR]                     ... starting from another policy (any Llama/Qwen2/Qwen3/Mistral folder)
 gyre deploy [--file deployments/prefect.yaml]   the scheduled campaigns, on the server
+gyre deploy --cells campaign.toml           the cells of its [cluster] hosts, one deployment a host
 gyre worker [--pool gyre]                   a process worker that runs them
 gyre bench learn [--quick] [--validation]   does the campaign teach the policy (held-out, paired)
 gyre bench ui [--out bench/results/ui.png]  a screenshot of a campaign in the Prefect UI
@@ -81,6 +82,12 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     deploy.add_argument("--file", default="deployments/prefect.yaml", help="the deployments (prefect.yaml)")
     deploy.add_argument(
         "--data-root", default=None, help="whose `gyre up` server to use (without PREFECT_API_URL)"
+    )
+    deploy.add_argument(
+        "--cells",
+        metavar="CONFIG",
+        default=None,
+        help="instead: the cell deployments (gyre-cell/<host>) of this campaign config's [cluster] hosts",
     )
     worker = commands.add_parser("worker", help="run a process worker for the scheduled campaigns")
     worker.add_argument("--pool", default="gyre", help="the work pool")
@@ -276,6 +283,8 @@ def _deploy(args: argparse.Namespace) -> int:
     from deployments.deploy import register
 
     url = _server_url(args.data_root or settings.default_data_root())
+    if args.cells is not None:
+        return _deploy_cells(args.cells, url)
     from tasks.services.zombies import ensure_zombie_automation
 
     with temporary_settings({PREFECT_API_URL: url}):
@@ -284,6 +293,29 @@ def _deploy(args: argparse.Namespace) -> int:
     for name, deployment_id in ids.items():
         print(f"deployed {name} ({deployment_id})")
     print(f"on {url}; `gyre worker` runs them")
+    return 0
+
+
+def _deploy_cells(config_path: str, url: str) -> int:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from deployments.cells import deploy_cells
+    from flows.config import CampaignConfig
+
+    config = CampaignConfig.from_toml(config_path)
+    if config.cluster is None:
+        print(
+            f"gyre deploy --cells: {config_path} has no [cluster]: its cells run on this machine",
+            file=sys.stderr,
+        )
+        return 2
+    with temporary_settings({PREFECT_API_URL: url}):
+        ids = deploy_cells(config.cluster)
+    for host in config.cluster.hosts:
+        print(
+            f"deployed gyre-cell/{host.name} ({ids[host.name]}) on pool {host.pool()}: on {host.name} "
+            f"({host.address}) run `PREFECT_API_URL={url} gyre worker --pool {host.pool()}`"
+        )
     return 0
 
 
@@ -365,11 +397,21 @@ class Progress:
 
 def _run(args: argparse.Namespace) -> int:
     config = _config(args)
-    record = _up(args, quiet=True)
-    print(
-        f"Prefect UI: {record.prefect_ui_url or record.prefect_api_url}/runs  (campaign {config.name})",
-        flush=True,
-    )
+    if config.cluster is not None:  # the cells run on the hosts: nothing of `gyre up` is needed here
+        api_url = settings.prefect_api_url()
+        if api_url is None:
+            print(
+                "gyre run: a campaign with [cluster] needs a Prefect server every host reaches: start one "
+                "(`prefect server start --host 0.0.0.0`) and set PREFECT_API_URL here and on each host",
+                file=sys.stderr,
+            )
+            return 2
+        ui_url, services_note = api_url.removesuffix("/api"), "the cells stop with the campaign"
+    else:
+        record = _up(args, quiet=True)
+        api_url, ui_url = record.prefect_api_url, record.prefect_ui_url or record.prefect_api_url
+        services_note = "`gyre down` stops the services"
+    print(f"Prefect UI: {ui_url}/runs  (campaign {config.name})", flush=True)
     from tasks.tracking import open_commands
 
     for line in open_commands(config.tracking, config.store.model_copy(update={"campaign": config.name})):
@@ -385,12 +427,13 @@ def _run(args: argparse.Namespace) -> int:
     from tasks.services.up import watch
     from tasks.services.zombies import HEARTBEAT_S
 
-    beating = {PREFECT_API_URL: record.prefect_api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}
+    beating = {PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}
     stop = threading.Event()  # while the campaign runs, a service that dies is started again
-    supervisor = threading.Thread(
-        target=watch, args=(record.data_root, stop), kwargs={"on_revive": _say_revived}, daemon=True
-    )
-    supervisor.start()
+    if config.cluster is None:
+        supervisor = threading.Thread(
+            target=watch, args=(record.data_root, stop), kwargs={"on_revive": _say_revived}, daemon=True
+        )
+        supervisor.start()
     try:
         with (
             temporary_settings(beating),
@@ -432,6 +475,6 @@ def _run(args: argparse.Namespace) -> int:
     print(
         f"campaign {config.name}: {len(steps)} steps in {(time.time() - started) / 60:.1f} min; data in "
         f'{config.store.data_root}; `gyre sql --campaign {config.name} "SELECT * FROM metrics"`; '
-        f"UI {record.prefect_ui_url or record.prefect_api_url}; `gyre down` stops the services"
+        f"UI {ui_url}; {services_note}"
     )
     return 0

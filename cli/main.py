@@ -29,7 +29,7 @@
     gyre bench schedule [--quick] [--sim-only]         elastic vs colocate vs async: simulated at paper scale + real on CPU
     gyre bench exploits [--graders KINDS]              every known exploit against every folder grader (reward integrity)
     gyre bench faults [--quick] [--only PARTS]         processes killed, misbehaving agents, gateway load: lost / duplicated work
-    gyre bench hosts [--quick]                         beyond one machine: KV between two hosts over TCP vs re-prefill
+    gyre bench hosts [--quick]                         beyond one machine: KV over TCP, training, a campaign across hosts
     gyre bench xlong [--quick]                         one execution touching up to 1M tokens: time and memory per stage
     gyre sim [--preset NAME] [--set KEY=VALUE ...]     one simulated comparison of the three policies, against the bound
 
@@ -181,9 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     exploits.add_argument("--only", nargs="*", default=[], help="exploits whose name contains one of these")
     exploits.add_argument("--out", default="bench/results/exploits.json", help="where the figures go (JSON)")
     hosts_bench = bench_commands.add_parser(
-        "hosts", help="beyond one machine: KV between two hosts (network namespaces) over TCP vs re-prefill"
+        "hosts",
+        help="beyond one machine (network namespaces): KV over TCP vs re-prefill, training across hosts, a campaign "
+        "on 1 host vs 3 and with one cut off",
     )
-    hosts_bench.add_argument("--quick", action="store_true", help="8K tokens only, one round")
+    hosts_bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="8K tokens only, one round; the campaign only with a host cut off",
+    )
     hosts_bench.add_argument("--out", default="bench/results/hosts.json", help="where the figures go (JSON)")
     xlong_bench = bench_commands.add_parser(
         "xlong", help="one execution touching up to 1M tokens, end to end: time and peak memory per stage"

@@ -231,3 +231,39 @@ def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_mi
     assert {runs[n]["state"] for n in ("cell-0-on-h1", "cell-1-on-h2", moved)} == {"CANCELLED"}
     assert 0 < figures["found_lost_s"] <= figures["recovery_s"]
     assert all(n > 0 for n in figures["bytes_on_host_links"].values())
+
+
+def test_gyre_deploys_a_clusters_cells_and_runs_it_only_against_a_server_the_hosts_reach(
+    prefect_harness, cli_env, monkeypatch, tmp_path, capsys
+):
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    from cli.main import main
+
+    config = tmp_path / "cluster.toml"
+    config.write_text(
+        'name = "c"\n[cluster]\ngateway_address = "10.0.0.1"\n'
+        'hosts = [{name = "gpu-a", address = "10.0.0.2"}, {name = "gpu-b", address = "10.0.0.3", cells = 2}]\n'
+    )
+    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())  # the harness's server
+    assert main(["deploy", "--cells", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "on pool gyre-gpu-b: on gpu-b (10.0.0.3) run `PREFECT_API_URL=" in out
+        and "gyre worker --pool gyre-gpu-b`" in out
+    )
+    with get_client(sync_client=True) as client:
+        for host in ("gpu-a", "gpu-b"):
+            deployment = client.read_deployment_by_name(f"gyre-cell/{host}")
+            assert (
+                deployment.work_pool_name == f"gyre-{host}" and deployment.entrypoint == "flows/cell.py:cell"
+            )
+
+    plain = tmp_path / "plain.toml"
+    plain.write_text('name = "p"\n')
+    assert main(["deploy", "--cells", str(plain)]) == 2
+    assert "has no [cluster]" in capsys.readouterr().err
+    monkeypatch.delenv("PREFECT_API_URL")
+    assert main(["run", "--config", str(config)]) == 2
+    assert "needs a Prefect server every host reaches" in capsys.readouterr().err
