@@ -149,6 +149,9 @@ def campaign_on_hosts(workdir: Path, cells: list[int], cut: str | None = None) -
             raise RuntimeError(f"the campaign on {len(cells)} hosts failed: {result.get('error')!r}")
         wall_s = time.monotonic() - started
         link = {h.name: link_bytes(h) - bytes_before[h.name] for h in test_hosts}
+        # the campaign cancelled its cells: their workers stop them and their engines (the cut host's
+        # cell cannot hear it: it is fenced once its link is back)
+        left = _listening([h for h in test_hosts if h.name != cut], timeout_s=60)
 
         records = result["records"]
         store, _ = campaign_store(config)
@@ -191,6 +194,7 @@ def campaign_on_hosts(workdir: Path, cells: list[int], cut: str | None = None) -
         "executions_trained": [int(r.metrics["executions_trained"]) for r in records],
         "call_versions_by_step": {int(k): sorted(v) for k, v in versions.items()},
         "bytes_on_host_links": link,
+        "engines_left_listening": left,
         "bytes_between_hosts_per_step": round(sum(link.values()) / max(len(records), 1)),
         "cell_runs": cell_runs,
         **cutting,
@@ -248,6 +252,25 @@ def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -
         "recovery_s": round(time.monotonic() - cut_at, 2),
         "moved": {r.cell_id: r.host for r in fleet.replacements},
     }
+
+
+def _listening(live: list[TestHost], timeout_s: float) -> int:
+    """TCP sockets still listening on the hosts' addresses once ``timeout_s`` has passed (or none is)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = 0
+        for host in live:
+            if host.netns is None:
+                continue
+            out = subprocess.run(
+                host.command(["ss", "-Htln"]), capture_output=True, text=True, check=True
+            ).stdout
+            count += sum(
+                f" {host.address}:" in f" {line.split()[3]}" for line in out.splitlines() if line.strip()
+            )
+        if count == 0 or time.monotonic() > deadline:
+            return count
+        time.sleep(0.5)
 
 
 def start_worker(host: TestHost, pool: str, env: dict[str, str]) -> subprocess.Popen:

@@ -136,12 +136,12 @@ def scripted_model(tok, hidden: int = 128, max_positions: int = 8192) -> Qwen2Fo
 
 
 @contextlib.contextmanager
-def serving(app, *, port: int | None = None, host: str = "127.0.0.1"):
-    """Runs an ASGI app with uvicorn in a thread on a port of ``host`` (loopback); yields (url, server)."""
+def serving(app, *, port: int | None = None):
+    """Runs an ASGI app with uvicorn in a thread on a loopback port; yields (url, server)."""
     if port is None:
-        port = free_port(host)
+        port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -150,7 +150,7 @@ def serving(app, *, port: int | None = None, host: str = "127.0.0.1"):
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield f"http://{host}:{port}", server
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -230,18 +230,11 @@ class Stack:
 
 @contextlib.contextmanager
 def gateway_stack(
-    data_root: str,
-    model,
-    engine_ids=("A", "B"),
-    attach=None,
-    extra_engines=(),
-    host: str = "127.0.0.1",
-    **config_fields,
+    data_root: str, model, engine_ids=("A", "B"), attach=None, extra_engines=(), **config_fields
 ):
     """Engines (one RolloutEngine each, same model) and the gateway, all uvicorn threads on loopback.
     ``attach``: the engines the gateway starts with (default all); ``extra_engines``: (id, url) of
-    engines running elsewhere (a subprocess) that the gateway starts with too; ``host``: where the
-    gateway listens (the root namespace's address, for engines on test hosts)."""
+    engines running elsewhere (a subprocess) that the gateway starts with too."""
     from engines.gateway import EngineSpec, Gateway, GatewayConfig
     from engines.gateway.app import create_app
     from engines.model.tokenizer import save_tokenizer
@@ -258,10 +251,9 @@ def gateway_stack(
             engines[engine_id] = RolloutEngine(model, EngineConfig(engine_id=engine_id, max_model_len=8192))
             app = engine_app(engines[engine_id], admin_token=ENGINE_TOKEN, model_name="scripted")
             urls[engine_id], servers[engine_id] = stack.enter_context(serving(app))
-        port = free_port(host)
+        port = free_port()
         config = GatewayConfig(
             model=folder,
-            host=host,
             port=port,
             admin_token=ADMIN_TOKEN,
             engines=[EngineSpec(url=urls[e]) for e in (engine_ids if attach is None else attach)]
@@ -271,6 +263,6 @@ def gateway_stack(
             **config_fields,
         )
         gateway = Gateway(config)
-        url, _ = stack.enter_context(serving(create_app(gateway), port=port, host=host))
+        url, _ = stack.enter_context(serving(create_app(gateway), port=port))
         urls.update(dict(extra_engines))
         yield Stack(engines, urls, servers, gateway, url, store)

@@ -51,10 +51,13 @@ class Section:
     cls: type
     doc: str
     keys: list[Key]
+    array: bool = False  # a list of tables: [[cluster.hosts]]
 
     @property
     def title(self) -> str:
-        return f"[{'.'.join(self.path)}]" if self.path else "Top level"
+        if not self.path:
+            return "Top level"
+        return f"[[{'.'.join(self.path)}]]" if self.array else f"[{'.'.join(self.path)}]"
 
     @property
     def anchor(self) -> str:
@@ -151,8 +154,14 @@ def _constraints(metadata: list[Any]) -> str:
     return ", ".join(parts)
 
 
+REQUIRED = object()
+"""The default of a key that has none: the config must give it."""
+
+
 def _toml(value: Any) -> str:
     """A default as it would be written in the TOML file."""
+    if value is REQUIRED:
+        return "required"
     if value is None:
         return "unset"
     if isinstance(value, bool):
@@ -177,7 +186,7 @@ def _fields(cls: type) -> Iterator[tuple[str, Any, Any, str, str]]:
     under = _field_docstrings(cls)
     if _is_model(cls):
         for name, info in cls.model_fields.items():
-            default = info.get_default(call_default_factory=True)
+            default = REQUIRED if info.is_required() else info.get_default(call_default_factory=True)
             yield (
                 name,
                 info.annotation,
@@ -198,17 +207,34 @@ def _fields(cls: type) -> Iterator[tuple[str, Any, Any, str, str]]:
             yield field.name, hints.get(field.name, field.type), default, help_text, ""
 
 
-def sections(cls: type, path: tuple[str, ...] = ()) -> list[Section]:
+def _table_list_class(annotation: Any) -> type | None:
+    """The config class of a list of tables (``list[HostSpec]``), else None."""
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation) or (None,)
+        if item is not None and _is_section(item):
+            return item
+    return None
+
+
+def sections(cls: type, path: tuple[str, ...] = (), array: bool = False) -> list[Section]:
     """`cls`'s section, then every nested section depth first, in field order."""
-    own = Section(path=path, cls=cls, doc=_class_doc(cls), keys=[])
+    own = Section(path=path, cls=cls, doc=_class_doc(cls), keys=[], array=array)
     nested: list[Section] = []
     for name, annotation, default, description, constraints in _fields(cls):
         inner = _section_class(annotation)
-        if inner is not None:
+        items = _table_list_class(annotation)
+        if inner is not None or items is not None:
             child = (*path, name)
-            nested.extend(sections(inner, child))
-            kind = f"section [{'.'.join(child)}]"
-            own.keys.append(Key(name, kind, f"[see below](#{'-'.join(child)})", description))
+            nested.extend(sections(inner or items, child, array=items is not None))
+            kind = (
+                f"section [{'.'.join(child)}]" if items is None else f"list of tables [[{'.'.join(child)}]]"
+            )
+            if items is not None and constraints:
+                kind += f" ({constraints})"
+            link = f"[see below](#{'-'.join(child)})"
+            own.keys.append(
+                Key(name, kind, link if default is not REQUIRED else f"required; {link}", description)
+            )
             continue
         type_text = _type_name(annotation) + (f" ({constraints})" if constraints else "")
         own.keys.append(Key(name, type_text, _toml(default), description))
@@ -275,7 +301,7 @@ def render(root: type | None = None) -> str:
         lines += [f"Class `{section.cls.__name__}` in `{where}`.", ""]
         lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
         for key in section.keys:
-            default = key.default if key.default.startswith("[see below]") else _code(key.default)
+            default = key.default if "[see below]" in key.default else _code(key.default)
             lines.append(f"| `{key.name}` | {_code(key.type)} | {default} | {_cell(key.description)} |")
         lines.append("")
     return "\n".join(lines)
