@@ -29,10 +29,13 @@ def cell(
     tokens_block: str = TOKENS_BLOCK,
     weights: str | None = None,
     version: int = 0,
+    threads: int | None = None,
+    devices: list[int] | None = None,
 ) -> dict[str, Any]:
     """Serves the cell's engine on ``address`` behind the gateway until the run is cancelled or
     marked crashed; the admin tokens come from the Secret block ``tokens_block``. ``weights``: the
-    campaign's current version (``version``), loaded before the engine joins the gateway."""
+    campaign's current version (``version``), loaded before the engine joins the gateway; ``threads``
+    and ``devices``: the engine's torch threads and GPUs (the host's, from ``[cluster]``)."""
     tokens = Secret.load(tokens_block).get()
     run_id = flow_run.get_id()
     return serve_cell(
@@ -47,4 +50,6 @@ def cell(
         should_stop=lambda: run_ended(run_id) if run_id else None,
         weights=weights,
         version=version,
+        threads=threads,
+        gpus=devices,
     )

@@ -166,7 +166,9 @@ def test_an_engine_host_is_its_spec_or_its_url():
     assert EngineClient("a", "http://127.0.0.1:1", host="h2").host == "h2"  # a [cluster] name wins
 
 
-def test_a_remote_engine_loads_from_object_storage_only_when_the_store_is_remote():
+def test_a_remote_engine_loads_from_object_storage_only_when_the_store_is_remote(s3_bucket, monkeypatch):
+    import s3fs
+
     from tasks.services.campaign import Services, remote_policy_path
 
     def services(root: str) -> Services:
@@ -181,7 +183,16 @@ def test_a_remote_engine_loads_from_object_storage_only_when_the_store_is_remote
 
     remote = services("s3://campaigns/run/")
     assert remote_policy_path(remote, 3, "/fast/p-v3") == "s3://campaigns/run/policy/v3/model.safetensors"
-    assert remote_policy_path(remote, 0, "/models/start") == "/models/start"  # the starting folder
+    endpoint, bucket = s3_bucket
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()
+    shared = services(f"s3://{bucket}/run")
+    assert remote_policy_path(shared, 0, "/models/start") == "/models/start"  # no copy of the starting folder
+    s3fs.S3FileSystem().pipe(f"{bucket}/run/policy/start/model.safetensors", b"weights")
+    assert (
+        remote_policy_path(shared, 0, "/models/start") == f"s3://{bucket}/run/policy/start/model.safetensors"
+    )
+    s3fs.S3FileSystem.clear_instance_cache()
     for local in ("/data/campaigns/run", "file:///data/campaigns/run"):  # a shared file system, if any
         assert remote_policy_path(services(local), 3, "/fast/p-v3") == "/fast/p-v3"
 

@@ -137,7 +137,9 @@ def cluster_stack(
         )
     with local_stack(model, store, engines=0, serving=serving, gateway_host=cluster.gateway_address) as stack:
         order = CellOrder(
-            policy=model, gateway_url=stack.gateway_url, serving=serving.model_dump(include=set(CELL_SERVING))
+            policy=share_policy(model, store),
+            gateway_url=stack.gateway_url,
+            serving=serving.model_dump(include=set(CELL_SERVING)),
         )
         fleet = CellFleet(cluster, order)
         fleet.save_tokens(stack.admin_token, stack.engine_admin_token)
@@ -156,6 +158,19 @@ def cluster_stack(
                 stop.set()
                 _FLEETS.pop(stack.gateway_url, None)
                 fleet.stop()
+
+
+def share_policy(model: str, store: StoreConfig) -> str:
+    """Where the hosts read the starting policy folder: a copy under the campaign's folder in object
+    storage (``policy/start/``) when the store is remote, so no host needs it on its disk; else the
+    folder itself (a store on a local disk: the hosts share a file system)."""
+    target = Store(store)
+    if target.is_local:
+        return model
+    url = target.url(target.path("policy", "start"))
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.put(f"{model.rstrip('/')}/", f"{root}/", recursive=True)
+    return url
 
 
 def running_fleets() -> list[CellFleet]:
@@ -187,12 +202,18 @@ def policy_path(services: Services, version: int, init_model: str) -> str:
 
 def remote_policy_path(services: Services, version: int, path: str) -> str:
     """What an engine on another host loads for ``version``: the version in the campaign's object
-    storage (``policy/v<n>/model.safetensors`` under ``policy_root``) when that storage is remote;
-    else ``path`` itself (version 0's starting folder, or a store on a local disk, which another host
-    sees only through a shared file system)."""
-    if version == 0 or "://" not in services.policy_root or services.policy_root.startswith("file://"):
+    storage (``policy/v<n>/model.safetensors`` under ``policy_root``) when that storage is remote
+    (version 0: the weights of the starting folder's copy there, ``policy/start/``, which a campaign
+    on a cluster makes); else ``path`` itself (a store on a local disk, which another host sees only
+    through a shared file system)."""
+    if "://" not in services.policy_root or services.policy_root.startswith("file://"):
         return path
-    return f"{services.policy_root.rstrip('/')}/policy/v{version}/model.safetensors"
+    root = services.policy_root.rstrip("/")
+    if version == 0:
+        start = f"{root}/policy/start/model.safetensors"
+        fs, inner = fsspec.core.url_to_fs(start)
+        return start if fs.exists(inner) else path
+    return f"{root}/policy/v{version}/model.safetensors"
 
 
 def _engine(services: Services) -> AdminClient:

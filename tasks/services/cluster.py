@@ -14,8 +14,8 @@ The admin tokens reach the cell through a Prefect Secret block, never through it
 the UI shows).
 
 ``CellFleet`` places cells on hosts, starts their flow runs through the Prefect API, and watches the
-hosts' workers: a host whose worker has not beaten for ``heartbeat_misses`` of its heartbeats is
-lost. Each cell on a lost host is marked Crashed (with the reason), declared dead at the gateway (its
+hosts' workers: a host whose worker has not beaten for ``heartbeat_misses`` of its heartbeats, and
+none of whose cells' engines answers its health check, is lost. Each cell on a lost host is marked Crashed (with the reason), declared dead at the gateway (its
 calls in flight re-run on other engines from their recorded prompts, its sessions recompute their
 context on their next call) and started again, under the same id, on the live host holding the
 fewest cells. A single-host campaign needs none of this: without ``[cluster]`` the stack of
@@ -34,13 +34,16 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from engines.admin import AdminClient, AdminError
@@ -72,9 +75,30 @@ class HostSpec(BaseModel):
     max_cells: PositiveInt | None = Field(
         None, description="the most cells it may hold once cells of lost hosts move (None: no limit)"
     )
+    threads: PositiveInt | None = Field(
+        None, description="torch threads of each of its cells' engines (None: [serving] engine_threads)"
+    )
+    devices: list[list[NonNegativeInt]] | None = Field(
+        None,
+        description="its GPUs, one list per cell it may hold (CUDA_VISIBLE_DEVICES of that cell's engine); "
+        "the host then holds at most that many cells",
+    )
+
+    @model_validator(mode="after")
+    def _slots(self) -> HostSpec:
+        if self.devices is not None and self.cells > len(self.devices):
+            raise ValueError(
+                f"host {self.name}: cells {self.cells} but devices for {len(self.devices)} cells"
+            )
+        return self
 
     def pool(self) -> str:
         return self.work_pool or f"gyre-{self.name}"
+
+    def capacity(self) -> int | None:
+        """The most cells it may hold (None: no limit): max_cells, and one per entry of devices."""
+        limits = [n for n in (self.max_cells, len(self.devices) if self.devices is not None else None) if n]
+        return min(limits) if limits else None
 
 
 class ClusterConfig(BaseModel):
@@ -90,6 +114,9 @@ class ClusterConfig(BaseModel):
         3, description="worker heartbeats a host may miss before its cells are replaced"
     )
     watch_interval_s: PositiveFloat = Field(5.0, description="how often the fleet checks the hosts")
+    max_restarts: NonNegativeInt = Field(
+        3, description="times a cell whose run ended on a live host is started again before it is given up"
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> ClusterConfig:
@@ -131,8 +158,9 @@ class CellOrder:
     weights: str | None = None  # the version a cell started now loads first (a URL the hosts read)
     version: int = 0
 
-    def parameters(self, cell_id: str, host: HostSpec) -> dict[str, Any]:
-        """The cell flow run's parameters (shown in the UI: no secret)."""
+    def parameters(self, cell_id: str, host: HostSpec, slot: int = 0) -> dict[str, Any]:
+        """The cell flow run's parameters (shown in the UI: no secret); ``slot``: which of the host's
+        device lists the cell takes."""
         return {
             "cell_id": cell_id,
             "host": host.name,
@@ -143,6 +171,8 @@ class CellOrder:
             "tokens_block": self.tokens_block,
             "weights": self.weights,
             "version": self.version,
+            "threads": host.threads,
+            "devices": host.devices[slot] if host.devices is not None else None,
         }
 
 
@@ -159,18 +189,24 @@ def serve_cell(
     should_stop: Callable[[], str | None],
     weights: str | None = None,
     version: int = 0,
+    threads: int | None = None,
+    gpus: list[int] | None = None,
     poll_s: float = 2.0,
 ) -> dict[str, Any]:
     """A cell's life on its host: its engine listening on ``address`` (serving ``weights`` as
     ``version`` when given: the campaign's current version, for a cell started mid-campaign), added to
     the gateway as ``cell_id`` on ``host``, until ``should_stop`` gives a reason (returned) or the
-    engine dies (RuntimeError). The engine stops with the block, also when the flow run is cancelled."""
+    engine dies (RuntimeError). The engine stops with the block, also when the flow run is cancelled.
+    ``threads`` and ``gpus``: the engine's torch threads (None: ``serving``'s engine_threads) and
+    visible GPUs (None: inherited)."""
+    policy = local_policy(policy)
     port = free_port(address)
     command, stdin, _ = engine_process(
         policy, serving, port, engine_admin_token, host=address, engine_id=cell_id
     )
     url = f"http://{address}:{port}"
-    env = {**os.environ, **process_env(CellDevices(threads=serving.engine_threads))}
+    devices = CellDevices(threads=threads or serving.engine_threads, gpus=gpus)
+    env = {**os.environ, **process_env(devices)}
     with (
         serving_process(command, url, env, stdin=stdin) as engine,
         AdminClient(gateway_url, admin_token, engine_admin_token) as admin,
@@ -193,6 +229,29 @@ def serve_cell(
             time.sleep(poll_s)
 
 
+def local_policy(policy: str, cache: str | None = None) -> str:
+    """A policy folder on this host: ``policy`` itself, or for a URL (the campaign's copy in object
+    storage) a copy in ``cache`` (default ~/.cache/gyre/policies), fetched once."""
+    if "://" not in policy or policy.startswith("file://"):
+        return policy.removeprefix("file://")
+    import hashlib
+
+    import fsspec
+
+    folder = os.path.join(
+        cache or os.path.expanduser("~/.cache/gyre/policies"),
+        hashlib.sha256(policy.encode()).hexdigest()[:16],
+    )
+    if not os.path.exists(os.path.join(folder, ".complete")):
+        fs, root = fsspec.core.url_to_fs(policy)
+        partial = f"{folder}.part-{os.getpid()}"
+        fs.get(f"{root.rstrip('/')}/", f"{partial}/", recursive=True)
+        Path(partial, ".complete").touch()
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)
+    return folder
+
+
 def run_ended(flow_run_id: str) -> str | None:
     """Why the cell's own flow run should end (cancelled, or marked crashed because its host was
     lost), or None. An API that does not answer (this host cut off) is no reason: the cell serves on."""
@@ -209,11 +268,21 @@ def run_ended(flow_run_id: str) -> str | None:
     return None
 
 
+def _answers(url: str | None, timeout_s: float = 2.0) -> bool:
+    if url is None:
+        return False
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @dataclass
 class CellRun:
     cell_id: str
     host: str
     flow_run_id: str
+    slot: int = 0  # which of its host's device lists it took
 
 
 @dataclass(frozen=True)
@@ -240,6 +309,8 @@ class CellFleet:
         self.cells: dict[str, CellRun] = {}
         self.replacements: list[Replacement] = []
         self.lost: set[str] = set()
+        self.restarts: dict[str, int] = {}
+        self.given_up: dict[str, str] = {}  # cell id -> why: it ended more than max_restarts times
         self._now = clock or (lambda: datetime.now(UTC))
 
     def serving(self, version: int, weights: str) -> None:
@@ -272,6 +343,8 @@ class CellFleet:
     def _start(self, cell_id: str, host: str) -> CellRun:
 
         spec = self.cluster.host(host)
+        taken = {c.slot for c in self.cells.values() if c.host == host and c.cell_id != cell_id}
+        slot = next(i for i in range(len(self.cells) + 1) if i not in taken)
         from prefect.exceptions import ObjectNotFound
 
         with self._client() as client:
@@ -283,16 +356,20 @@ class CellFleet:
                     "deployments first (`gyre cluster deploy --config <campaign.toml>`)"
                 ) from None
             run = client.create_flow_run_from_deployment(
-                deployment.id, parameters=self.order.parameters(cell_id, spec), name=f"{cell_id}-on-{host}"
+                deployment.id,
+                parameters=self.order.parameters(cell_id, spec, slot),
+                name=f"{cell_id}-on-{host}",
             )
-        self.cells[cell_id] = CellRun(cell_id, host, str(run.id))
+        self.cells[cell_id] = CellRun(cell_id, host, str(run.id), slot)
         return self.cells[cell_id]
 
     def wait_serving(self, admin: AdminClient, timeout_s: float = 300.0) -> dict[str, str]:
         """Waits until every cell's engine is active in the gateway at its host's address; cell id ->
-        engine URL. A cell whose flow run ends first raises RuntimeError with its state's message."""
-
+        engine URL. Meanwhile the hosts are checked as by ``watch`` (a host without a live worker
+        gives its cells to the others; a cell whose run ended starts again); a cell given up raises
+        RuntimeError with why."""
         deadline = time.monotonic() + timeout_s
+        checked = time.monotonic()
         while True:
             engines = {e.engine_id: e for e in admin.gateway_stats().engines}
             serving = {
@@ -304,13 +381,11 @@ class CellFleet:
             }
             if len(serving) == len(self.cells):
                 return serving
-            with self._client() as client:
-                for cell in self.cells.values():
-                    state = client.read_flow_run(cell.flow_run_id).state
-                    if state is not None and state.is_final():
-                        raise RuntimeError(
-                            f"cell {cell.cell_id} on {cell.host}: its flow run ended {state.name}: {state.message}"
-                        )
+            if time.monotonic() - checked > self.cluster.watch_interval_s:
+                self.replace_lost(admin)
+                checked = time.monotonic()
+            if self.given_up:
+                raise RuntimeError("; ".join(f"cell {c}: {why}" for c, why in sorted(self.given_up.items())))
             if time.monotonic() > deadline:
                 waiting = sorted(set(self.cells) - set(serving))
                 raise TimeoutError(f"cells {waiting} are not serving after {timeout_s:g} s")
@@ -340,19 +415,25 @@ class CellFleet:
         a live host (its engine died, say) starts again there."""
         from prefect.states import Crashed
 
-        lost = self.lost_hosts()
+        lost = self._confirmed(self.lost_hosts(), admin)
         done = []
         with self._client() as client:
             ended = {
                 c.cell_id: state
                 for c in self.cells.values()
                 if c.host not in lost
+                and c.cell_id not in self.given_up
                 and (state := client.read_flow_run(c.flow_run_id).state) is not None
                 and state.is_final()
             }
         for cell_id, state in sorted(ended.items()):
             cell = self.cells[cell_id]
             why = f"its flow run ended {state.name}: {state.message or ''}".strip()
+            if self.restarts.get(cell_id, 0) >= self.cluster.max_restarts:
+                self.given_up[cell_id] = f"{why} (started again {self.restarts[cell_id]} times: given up)"
+                log.error("cell %s on %s: %s", cell_id, cell.host, self.given_up[cell_id])
+                continue
+            self.restarts[cell_id] = self.restarts.get(cell_id, 0) + 1
             run = self._start(cell_id, cell.host)
             done.append(Replacement(cell_id, cell.host, cell.host, run.flow_run_id, why))
             log.warning("cell %s on %s: %s: started again", cell_id, cell.host, why)
@@ -377,6 +458,24 @@ class CellFleet:
         self.replacements += done
         return done
 
+    def _confirmed(self, silent: dict[str, str], admin: AdminClient) -> dict[str, str]:
+        """The hosts of ``silent`` (no worker beat) none of whose cells' engines answers /health: a
+        host whose worker died or beats late while its engines serve is not lost (its cells serve on;
+        replacing them would leave their engines running beside the new ones)."""
+        if not silent:
+            return {}
+        urls = {e.engine_id: e.url for e in admin.gateway_stats().engines if e.state != "dead"}
+        lost = {}
+        for host, why in silent.items():
+            answering = [
+                c.cell_id for c in self.cells.values() if c.host == host and _answers(urls.get(c.cell_id))
+            ]
+            if answering:
+                log.warning("host %s: %s, but its cells %s answer: not lost", host, why, answering)
+            else:
+                lost[host] = why
+        return lost
+
     def _least_loaded(self) -> str | None:
         held = {h.name: 0 for h in self.cluster.hosts if h.name not in self.lost}
         for cell in self.cells.values():
@@ -385,7 +484,7 @@ class CellFleet:
         room = [
             name
             for name, n in held.items()
-            if self.cluster.host(name).max_cells is None or n < self.cluster.host(name).max_cells
+            if self.cluster.host(name).capacity() is None or n < self.cluster.host(name).capacity()
         ]
         return min(room, key=lambda name: (held[name], name)) if room else None
 
