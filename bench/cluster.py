@@ -41,6 +41,7 @@ from bench.servers import prefect_server, s3_server
 from deployments.cells import deploy_cells
 from deployments.deploy import ROOT, worker_command
 from engines.admin import AdminClient
+from environments.gateways import STANDBY_CALL_BASE
 
 STEPS = 2
 PER_STEP = 3  # problems a step, each a group of 2: 6 executions a step
@@ -88,11 +89,18 @@ def link_bytes(host: TestHost) -> int:
 
 
 def campaign_on_hosts(
-    workdir: Path, cells: list[int], cut: str | None = None, heartbeat_misses: int = 3
+    workdir: Path,
+    cells: list[int],
+    cut: str | None = None,
+    heartbeat_misses: int = 3,
+    gateways: int = 1,
+    kill_gateway: bool = False,
 ) -> dict[str, Any]:
     """Runs the campaign with ``cells[i]`` cells on host h<i+1>, cutting host ``cut`` off during step
     1; its figures, and the checks of what it recorded (see the module's docstring).
-    ``heartbeat_misses``: [cluster]'s (a test on a loaded machine gives the workers more slack)."""
+    ``heartbeat_misses``: [cluster]'s (a test on a loaded machine gives the workers more slack).
+    ``gateways``: [cluster]'s; ``kill_gateway``: SIGKILL the last gateway during step 0, once it has
+    answered 3 calls (its executions go on at their standby; the campaign starts it again)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -121,6 +129,7 @@ def campaign_on_hosts(
                 for h, n in zip(test_hosts, cells, strict=True)
             ],
             "gateway_address": root,
+            "gateways": gateways,
             "heartbeat_misses": heartbeat_misses,
             "watch_interval_s": 1.0,
         }
@@ -147,6 +156,7 @@ def campaign_on_hosts(
         started = time.monotonic()
         thread = threading.Thread(target=run, name="campaign")
         thread.start()
+        killing = _kill_gateway_during_step_0(thread, result) if kill_gateway else {}
         cutting = _cut_during_step_1(by_name[cut], thread, result) if cut else {}
         thread.join(1800)
         if thread.is_alive() or "error" in result:
@@ -163,9 +173,14 @@ def campaign_on_hosts(
         con = connect(target, SelectionConfig())
         executions = con.sql("SELECT count(*), count(DISTINCT execution_id) FROM executions").fetchall()[0]
         calls = con.sql("SELECT count(*), count(DISTINCT (execution_id, call_id)) FROM calls").fetchall()[0]
+        # n_calls: the calls the gateways that took the finish answered (a killed one's are not
+        # counted there, but its spool writes them): fewer calls in the store is a loss
         short = con.sql(
-            "SELECT count(*) FROM executions e WHERE n_calls != "
+            "SELECT count(*) FROM executions e WHERE n_calls > "
             "(SELECT count(*) FROM calls c WHERE c.execution_id = e.execution_id)"
+        ).fetchall()[0][0]
+        at_standby = con.sql(
+            f"SELECT count(DISTINCT execution_id) FROM calls WHERE call_id >= {STANDBY_CALL_BASE}"
         ).fetchall()[0][0]
         versions = dict(
             con.sql("SELECT step, list(DISTINCT policy_version) FROM calls GROUP BY ALL").fetchall()
@@ -209,8 +224,57 @@ def campaign_on_hosts(
         "engines_left_listening": left,
         "bytes_between_hosts_per_step": round(sum(link.values()) / max(len(records), 1)),
         "cell_runs": cell_runs,
+        "gateways": gateways,
+        "executions_went_on_at_standby": at_standby,
+        **killing,
         **cutting,
     }
+
+
+def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[str, Any]:
+    """SIGKILLs the campaign's last gateway once it has answered 3 calls of step 0; then waits until
+    the campaign has started it again (its /health answers) with the cells' engines."""
+    from prefect.blocks.system import Secret
+
+    from tasks.services.campaign import running_cluster_stacks
+
+    deadline = time.monotonic() + 600
+    while not running_cluster_stacks():
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the campaign's gateways never served: {result.get('error')!r}")
+        time.sleep(0.5)
+    stack = running_cluster_stacks()[0]
+    url = stack.gateway_urls[-1]
+    tokens = Secret.load(running_fleets_order_block()).get()
+    with AdminClient(url, tokens["admin_token"], tokens["engine_admin_token"]) as admin:
+        while (calls := admin.gateway_stats().calls) < 3:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway {url} never took 3 calls: {result.get('error')!r}")
+            time.sleep(0.1)
+        process = stack.processes[url]
+        process.kill()
+        process.wait()
+        killed_at = time.monotonic()
+        while True:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway {url} was not started again: {result.get('error')!r}")
+            if stack.processes[url] is not process:
+                with contextlib.suppress(httpx.HTTPError):
+                    if admin.gateway_stats().engines:
+                        break
+            time.sleep(0.2)
+    return {
+        "gateway_killed": url,
+        "gateway_calls_before_kill": calls,
+        "gateway_serving_again_s": round(time.monotonic() - killed_at, 2),
+    }
+
+
+def running_fleets_order_block() -> str:
+    """The Secret block holding the running campaign's admin tokens."""
+    from tasks.services.campaign import running_fleets
+
+    return running_fleets()[0].order.tokens_block
 
 
 def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -> dict[str, Any]:

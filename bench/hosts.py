@@ -394,9 +394,15 @@ def _train_across_hosts(size: dict[str, Any], pace_s: float) -> dict[str, Any]:
     return figures
 
 
-CAMPAIGN_RUNS = {"1_host": ([3], None), "3_hosts": ([1, 1, 1], None), "3_hosts_h3_cut": ([1, 1, 1], "h3")}
-"""The campaign runs (bench/cluster.py): its three cells on one host, one on each of three hosts, and
-the same with h3 cut off during step 1 (quick: that one alone)."""
+CAMPAIGN_RUNS: dict[str, dict[str, Any]] = {
+    "1_host": {"cells": [3]},
+    "3_hosts": {"cells": [1, 1, 1]},
+    "3_hosts_h3_cut": {"cells": [1, 1, 1], "cut": "h3"},
+    "3_hosts_2_gateways_one_killed": {"cells": [1, 1, 1], "gateways": 2, "kill_gateway": True},
+}
+"""The campaign runs (bench/cluster.py): its three cells on one host, one on each of three hosts, the
+same with h3 cut off during step 1, and with two gateways, one SIGKILLed during step 0 (quick: the
+last two)."""
 
 
 def campaign_across_hosts(quick: bool = False) -> dict[str, Any]:
@@ -406,11 +412,12 @@ def campaign_across_hosts(quick: bool = False) -> dict[str, Any]:
     from bench.cluster import campaign_on_hosts
 
     runs = {}
-    for name, (cells, cut) in CAMPAIGN_RUNS.items():
-        if quick and cut is None:
+    for name, run in CAMPAIGN_RUNS.items():
+        cut = run.get("cut")
+        if quick and cut is None and not run.get("kill_gateway"):
             continue
         with tempfile.TemporaryDirectory(prefix=f"gyre-bench-hosts-{name}-") as tmp:
-            row = campaign_on_hosts(Path(tmp), cells, cut)
+            row = campaign_on_hosts(Path(tmp), **run)
         row.pop("cell_runs")
         runs[name] = row
         print(
@@ -423,6 +430,13 @@ def campaign_across_hosts(quick: bool = False) -> dict[str, Any]:
                 f"(moved {row['moved']})"
                 if cut
                 else ""
+            )
+            + (
+                f"  gateway killed after {row['gateway_calls_before_kill']} calls: serving again "
+                f"{row['gateway_serving_again_s']} s, executions that went on at their standby "
+                f"{row['executions_went_on_at_standby']}"
+                if run.get("kill_gateway")
+                else ""
             ),
             flush=True,
         )
@@ -434,6 +448,19 @@ def campaign_across_hosts(quick: bool = False) -> dict[str, Any]:
         "trained_twice": cut_run["trained_twice"],
         "recovery_s": cut_run["recovery_s"],
         "bytes_between_hosts_per_step": cut_run["bytes_between_hosts_per_step"],
+    }
+    killed = runs["3_hosts_2_gateways_one_killed"]
+    figures["gateway_killed"] = {
+        k: killed[k]
+        for k in (
+            "gateways",
+            "gateway_calls_before_kill",
+            "gateway_serving_again_s",
+            "executions_went_on_at_standby",
+            "executions_lost",
+            "calls_recorded_twice",
+            "trained_twice",
+        )
     }
     if "1_host" in runs:
         figures["step_s_1_host"] = runs["1_host"]["step_s_mean"]
@@ -470,6 +497,10 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     campaign = report["campaign"]
     if campaign["executions_lost"] or campaign["trained_twice"]:
         print("the campaign with a host cut off lost executions or trained one twice", file=sys.stderr)
+        return 1
+    killed = campaign["gateway_killed"]
+    if killed["executions_lost"] or killed["trained_twice"] or killed["calls_recorded_twice"]:
+        print("the campaign with a gateway killed lost, or counted twice, what it recorded", file=sys.stderr)
         return 1
     return 0
 

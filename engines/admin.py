@@ -344,6 +344,9 @@ ENGINE_DEAD = Endpoint[EngineDeclaredDead]("POST", "/admin/engines/{engine_id}/d
 REGISTER_EXECUTION = Endpoint[dict[str, Any]]("POST", "/admin/executions", dict[str, Any])
 EXECUTION = Endpoint[dict[str, Any]]("GET", "/admin/executions/{execution_id}", dict[str, Any])
 FINISH_EXECUTION = Endpoint[dict[str, Any]]("POST", "/admin/executions/{execution_id}/finish", dict[str, Any])
+RELEASE_EXECUTION = Endpoint[dict[str, Any]](
+    "POST", "/admin/executions/{execution_id}/release", dict[str, Any]
+)
 
 
 class AdminError(RuntimeError):

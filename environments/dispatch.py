@@ -55,13 +55,14 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
 
 from environments.dispatch_config import DispatchConfig
 from environments.gateway_admin import GatewayAdmin, GatewayAdminError
+from environments.gateways import GatewayPool
 from environments.ledger import StepLedger, step_ledger
 from environments.problems import Problem
 from environments.runner import ExecutionOutcome, ExecutionRunner
@@ -72,7 +73,7 @@ from trajectory_store.storage import Store, StoreConfig
 
 async def dispatch(
     problems: list[Problem],
-    gateway_url: str,
+    gateway_url: str | Sequence[str],
     admin_token: str,
     store: StoreConfig,
     config: DispatchConfig | None = None,
@@ -89,7 +90,9 @@ async def dispatch(
     already finished (409) starts nothing more: the executions already running end as usual, then
     the GatewayAdminError is raised. ``ledger``: what the store holds of the step (read when None),
     which picks each member's attempt id. ``zygote``: a warm harness launcher the caller keeps
-    between batches (a scheduler dispatches one execution at a time); None: one for this batch."""
+    between batches (a scheduler dispatches one execution at a time); None: one for this batch.
+    ``gateway_url``: one gateway, or several (environments/gateways.py: each execution pinned to one by
+    its id, with the next standing by)."""
     config = config or DispatchConfig()
     if config.workspace_root:
         root = config.workspace_root
@@ -103,7 +106,12 @@ async def dispatch(
     refused: list[GatewayAdminError] = []
     try:
         async with httpx.AsyncClient() as client:
-            admin = GatewayAdmin(gateway_url, admin_token, client)
+            urls = [gateway_url] if isinstance(gateway_url, str) else list(gateway_url)
+            admin = (
+                GatewayAdmin(urls[0], admin_token, client)
+                if len(urls) == 1
+                else GatewayPool(urls, admin_token, client)
+            )
 
             async def one(problem: Problem, member: int) -> ExecutionOutcome | None:
                 async with semaphore:
@@ -136,7 +144,7 @@ async def dispatch(
 
 async def dispatch_missing(
     problems: list[Problem],
-    gateway_url: str,
+    gateway_url: str | Sequence[str],
     admin_token: str,
     store: StoreConfig,
     config: DispatchConfig,

@@ -32,8 +32,13 @@ def execution_path(execution_id: str) -> str:
 
 
 def finish_path(execution_id: str) -> str:
-    """POST {status, reward, reward_source, snapshot_uri} -> {execution_id, status, calls, flush}."""
+    """POST {status, reward, reward_source, snapshot_uri, calls_elsewhere} -> {execution_id, status, calls, flush}."""
     return f"{execution_path(execution_id)}/finish"
+
+
+def release_path(execution_id: str) -> str:
+    """POST -> {execution_id, calls, flush}: the execution leaves a gateway without a row there."""
+    return f"{execution_path(execution_id)}/release"
 
 
 class GatewayAdminError(RuntimeError):
@@ -77,8 +82,11 @@ class GatewayAdmin:
         harness: str | None = None,
         campaign: str | None = None,
         attempt: str | None = None,
+        api_key: str | None = None,
+        first_call_id: int = 0,
     ) -> dict[str, Any]:
-        """{execution_id, step, campaign, base_url, agent_base_url, api_key, created}."""
+        """{execution_id, step, campaign, base_url, agent_base_url, api_key, created}. ``api_key`` and
+        ``first_call_id``: a standby registration (environments/gateways.py)."""
         body = {
             "execution_id": execution_id,
             "problem_id": problem_id,
@@ -88,6 +96,8 @@ class GatewayAdmin:
             "campaign": campaign,
             "attempt": attempt,
         }
+        if api_key is not None:
+            body.update(api_key=api_key, first_call_id=first_call_id)
         return await self._request("POST", EXECUTIONS, body)
 
     async def finish(
@@ -98,15 +108,24 @@ class GatewayAdmin:
         reward: float | None,
         reward_source: RewardSource | None = None,
         snapshot_uri: str | None = None,
+        calls_elsewhere: int = 0,
     ) -> dict[str, Any]:
-        """{execution_id, status, calls, flush}: the gateway records the execution next to its calls."""
+        """{execution_id, status, calls, flush}: the gateway records the execution next to its calls;
+        ``calls_elsewhere`` (other gateways answered them) counts in its n_calls."""
         body = {
             "status": status,
             "reward": reward,
             "reward_source": reward_source,
             "snapshot_uri": snapshot_uri,
         }
+        if calls_elsewhere:
+            body["calls_elsewhere"] = calls_elsewhere
         return await self._request("POST", finish_path(execution_id), body)
+
+    async def release(self, execution_id: str) -> dict[str, Any]:
+        """{execution_id, calls, flush}: the execution leaves this gateway, which records no row for it
+        (another one records its ending)."""
+        return await self._request("POST", release_path(execution_id))
 
     async def execution(self, execution_id: str) -> dict[str, Any]:
         """A live execution: {execution_id, step, calls, agents}."""

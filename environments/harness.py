@@ -96,6 +96,10 @@ class HarnessConfig:
     """Sampling temperature of every call (0: greedy)."""
     max_retries: int = 2
     """Re-samples from the same context after a failed call or step (each one is a branch)."""
+    connection_retries: int = 3
+    """Sends a call again after its connection failed (the gateway died before answering: the relay
+    then reaches the execution's standby gateway, environments/relay.py); no answer was recorded, so
+    this is no branch and takes none of max_retries."""
     seed: int = 0
     """Base sampling seed; every call gets its own seed derived from it, so reruns are reproducible."""
     command_timeout_s: float = 20.0
@@ -218,9 +222,11 @@ class Harness:
         ]
 
     def _call(self, messages, agent_id: str, role: str, tools, *, max_tokens: int | None = None):
-        """One model call; API errors are retried from the same context (a branch each)."""
-        for attempt in range(self.config.max_retries + 1):
-            self._seed += 1
+        """One model call; API errors are retried from the same context (a branch each), a broken
+        connection sent again (connection_retries)."""
+        attempt, broken = 0, 0
+        self._seed += 1
+        while True:
             try:
                 response = self.client.chat.completions.create(
                     model=self.config.model,
@@ -231,19 +237,27 @@ class Harness:
                     seed=self._seed,
                     extra_headers={"X-Gyre-Role": role, "X-Gyre-Agent": agent_id},
                 )
-            except (openai.APIConnectionError, openai.InternalServerError, openai.APITimeoutError):
+            except (openai.InternalServerError, openai.APITimeoutError):
                 self.stats.api_errors += 1
                 if attempt == self.config.max_retries:
                     raise
+                attempt += 1
+                self._seed += 1
                 self.stats.branches += 1
-                time.sleep(0.2 * (attempt + 1))
+                time.sleep(0.2 * attempt)
+                continue
+            except openai.APIConnectionError:  # (APITimeoutError, a subclass, is caught above)
+                self.stats.api_errors += 1
+                broken += 1
+                if broken > self.config.connection_retries:
+                    raise
+                time.sleep(0.2 * broken)  # the same call again, same seed: nothing was answered
                 continue
             self.stats.calls += 1
             self._report()
             usage = response.usage
             context = (usage.prompt_tokens + usage.completion_tokens) if usage else 0
             return response.choices[0].message, context
-        raise AssertionError("unreachable")
 
     # -- tools -----------------------------------------------------------------------------------
     def execute_tool(self, call: dict[str, Any], agent_id: str) -> tuple[str, str | None]:

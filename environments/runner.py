@@ -35,8 +35,10 @@ from typing import Any
 
 from environments.dispatch_config import DispatchConfig
 from environments.gateway_admin import EXECUTIONS, GatewayAdmin, GatewayAdminError
+from environments.gateways import GatewayPool
 from environments.ledger import StepLedger, execution_id_for, group_id_for
 from environments.problems import GraderError, GradeResult, Problem, grade_workspace
+from environments.relay import LoopbackRelay, Upstreams, gateway_address
 from environments.sandbox import Sandbox
 from environments.sandbox_harness import ConfinedHarness, harness_files, relayed_url
 from environments.snapshot import UnsafeArchive
@@ -144,7 +146,7 @@ class ExecutionRunner:
             return harness_name(problem.harness)
         return self.config.harness_name or harness_name(self.config.harness_command)
 
-    async def run(self, admin: GatewayAdmin, problem: Problem, member: int) -> ExecutionOutcome:
+    async def run(self, admin: GatewayAdmin | GatewayPool, problem: Problem, member: int) -> ExecutionOutcome:
         config = self.config
         group_id = group_id_for(config.step, problem, config.run_id)
         started = time.monotonic()
@@ -255,17 +257,41 @@ class ExecutionRunner:
         config = self.config
         (side / "problem.json").write_text(json.dumps(problem.public().to_json()))
         (side / "instruction.md").write_text(problem.instruction)
-        result_path = side / "result.json"
         command = self.command_of(problem)
         confined = command is not None and config.harness_sandbox
-        base_url = relayed_url(sandbox, registration["base_url"]) if confined else registration["base_url"]
+        fallbacks = registration.get("base_urls", [])[1:]  # the standby gateway (environments/gateways.py)
+        relay = None
+        if confined:
+            base_url = relayed_url(sandbox, registration["base_url"])
+        elif fallbacks:  # the harness dials one address: a relay on loopback moves on for it
+            urls = [registration["base_url"], *fallbacks]
+            relay = await LoopbackRelay.start(Upstreams([gateway_address(url) for url in urls]))
+            base_url = relay.url(registration["base_url"])
+        else:
+            base_url = registration["base_url"]
+        try:
+            await self._run_harness_at(
+                problem, execution_id, registration, sandbox, side, outcome, command, base_url, fallbacks
+            )
+        finally:
+            if relay is not None:
+                await relay.close()
+
+    async def _run_harness_at(
+        self, problem, execution_id, registration, sandbox, side, outcome, command, base_url, fallbacks
+    ) -> None:
+        config = self.config
+        result_path = side / "result.json"
+        confined = command is not None and config.harness_sandbox
         argv, env = self._command(
             command, execution_id, base_url, registration, sandbox.workspace, side, outcome
         )
         log_path = side / "harness.log"
         harness = None
         if confined:
-            harness = await self._confine(argv, env, sandbox, side, registration["base_url"], log_path)
+            harness = await self._confine(
+                argv, env, sandbox, side, registration["base_url"], log_path, fallbacks
+            )
             pid, waited = harness.pid, harness.wait
         elif command is None and config.harness_zygote:
             pid = await self._zygote().spawn(argv[3:], env, str(log_path))  # argv[3:]: after -m module
@@ -311,7 +337,9 @@ class ExecutionRunner:
         if outcome.status == "eval_failed":
             outcome.log_uri = self._keep_log(execution_id, log_path)
 
-    async def _confine(self, argv, env, sandbox: Sandbox, side: Path, gateway_url: str, log_path: Path):
+    async def _confine(
+        self, argv, env, sandbox: Sandbox, side: Path, gateway_url: str, log_path: Path, fallbacks=()
+    ):
         """Starts an external harness inside the execution's sandbox: its own folder (``side``) and
         installation visible read-only, HOME on its private /tmp, the sandbox limits with the
         execution's deadline as CPU limit, the gateway reached through a relay."""
@@ -325,7 +353,9 @@ class ExecutionRunner:
             processes=max(tool.processes, HARNESS_TASKS),
             memory_bytes=max(tool.memory_bytes, HARNESS_MEMORY_BYTES),
         )
-        return await ConfinedHarness.start(sandbox, argv, env, log_path, gateway_url, limits, visible)
+        return await ConfinedHarness.start(
+            sandbox, argv, env, log_path, gateway_url, limits, visible, fallback_urls=fallbacks
+        )
 
     def _command(
         self, command, execution_id, base_url: str, registration, workspace: Path, side: Path, outcome
@@ -353,7 +383,7 @@ class ExecutionRunner:
                 sys.executable, "-m", "environments.harness",
                 "--problem", str(side / "problem.json"),
                 "--workspace", str(workspace),
-                "--base-url", registration["base_url"],
+                "--base-url", base_url,
                 "--api-key", registration["api_key"],
                 "--result", str(side / "result.json"),
                 "--config", json.dumps(fields),

@@ -20,7 +20,8 @@ runs; ``ConfinedHarness`` accepts on it from the host's namespace and relays eac
 byte, to the gateway's address. So ``http://127.0.0.1:<port>/x/<execution>/v1`` (``relayed_url``)
 reaches the gateway, and no other port or address answers: the Prefect API, the S3 server and every
 other loopback service of the host are out of reach of the harness and its commands. The relay is a
-plain TCP pipe: the gateway's admin API stays behind its admin token, which the harness never gets.
+plain TCP pipe (environments/relay.py: with several gateways it fails over to the execution's next
+one): the gateway's admin API stays behind its admin token, which the harness never gets.
 """
 
 from __future__ import annotations
@@ -37,20 +38,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from environments.relay import Relays, Upstreams, gateway_address
 from environments.sandbox import Sandbox, SandboxLimits
 from environments.sandbox_host import close_cgroup, kill_group, launcher_argv, make_cgroup
 from environments.sandbox_launcher import SETUP_EXIT, SETUP_FAILED
 
 log = logging.getLogger(__name__)
-RELAY_CHUNK = 1 << 16
-
-
-def gateway_address(url: str) -> tuple[str, int]:
-    """(host, port) of a gateway base_url."""
-    parts = urlsplit(url)
-    if parts.hostname is None:
-        raise ValueError(f"gateway url {url!r} names no host")
-    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def relayed_url(sandbox: Sandbox, url: str) -> str:
@@ -135,7 +128,7 @@ class ConfinedHarness:
         self.cgroup = cgroup
         self.log_path = log_path
         self.server: asyncio.Server | None = None
-        self.relays: set[asyncio.Task] = set()
+        self.relays: Relays | None = None
 
     @classmethod
     async def start(
@@ -147,7 +140,11 @@ class ConfinedHarness:
         gateway_url: str,
         limits: SandboxLimits,
         visible: list[str],
+        fallback_urls: Sequence[str] = (),
     ) -> ConfinedHarness:
+        """``gateway_url``: the execution's gateway (its port is the one the harness dials);
+        ``fallback_urls``: the gateways its calls go to, in order, once that one is gone
+        (environments/relay.py)."""
         program = shutil.which(argv[0], path=env.get("PATH"))
         if program is None:
             raise FileNotFoundError(f"harness program {argv[0]!r} not found on PATH {env.get('PATH')!r}")
@@ -183,10 +180,9 @@ class ConfinedHarness:
             with ours:
                 listener = await asyncio.to_thread(_receive_listener, ours)
             if listener is not None:  # None: the launcher failed before (its exit says why)
-                target = gateway_address(gateway_url)
-                harness.server = await asyncio.start_server(
-                    lambda reader, writer: harness._relay(reader, writer, target), sock=listener
-                )
+                upstreams = Upstreams([gateway_address(url) for url in [gateway_url, *fallback_urls]])
+                harness.relays = Relays(upstreams)
+                harness.server = await asyncio.start_server(harness.relays.handle, sock=listener)
         except BaseException:
             await harness.close()
             raise
@@ -211,41 +207,9 @@ class ConfinedHarness:
         await self.process.wait()
         if self.server is not None:
             self.server.close()
-        for task in list(self.relays):
-            task.cancel()
-        await asyncio.gather(*self.relays, return_exceptions=True)
+        if self.relays is not None:
+            await self.relays.close()
         close_cgroup(self.cgroup)
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target) -> None:
-        task = asyncio.current_task()
-        self.relays.add(task)
-        upstream, pipes = None, []
-        try:
-            up_reader, upstream = await asyncio.open_connection(*target)
-            pipes = [
-                asyncio.ensure_future(_pipe(reader, upstream)),
-                asyncio.ensure_future(_pipe(up_reader, writer)),
-            ]
-            await asyncio.gather(*pipes)
-        except OSError as exc:
-            log.debug("relay to the gateway %s:%d ended: %s", *target, exc)
-        finally:
-            for pipe in pipes:  # one side failed (or the harness ended): the other goes too
-                pipe.cancel()
-            for stream in (writer, upstream):
-                if stream is not None:
-                    stream.close()
-            self.relays.discard(task)
-
-
-async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-    """Copies until ``source`` ends, then half-closes ``sink`` (HTTP needs no more)."""
-    while data := await source.read(RELAY_CHUNK):
-        sink.write(data)
-        await sink.drain()
-    with contextlib.suppress(OSError):
-        if sink.can_write_eof():
-            sink.write_eof()
 
 
 def _receive_listener(channel: socket.socket) -> socket.socket | None:

@@ -31,11 +31,13 @@ def cell(
     version: int = 0,
     threads: int | None = None,
     devices: list[int] | None = None,
+    more_gateways: list[str] | None = None,
 ) -> dict[str, Any]:
     """Serves the cell's engine on ``address`` behind the gateway until the run is cancelled or
     marked crashed; the admin tokens come from the Secret block ``tokens_block``. ``weights``: the
     campaign's current version (``version``), loaded before the engine joins the gateway; ``threads``
-    and ``devices``: the engine's torch threads and GPUs (the host's, from ``[cluster]``)."""
+    and ``devices``: the engine's torch threads and GPUs (the host's, from ``[cluster]``);
+    ``more_gateways``: the campaign's other gateways, which the engine joins too."""
     tokens = Secret.load(tokens_block).get()
     run_id = flow_run.get_id()
     return serve_cell(
@@ -52,4 +54,5 @@ def cell(
         version=version,
         threads=threads,
         gpus=devices,
+        more_gateways=more_gateways or (),
     )

@@ -289,7 +289,7 @@ def run_missing(
     outcomes, ended = asyncio.run(
         dispatch_missing(
             [Problem.from_json(p) for p in problems],
-            services.gateway_url,
+            services.gateway_urls or services.gateway_url,
             services.admin_token.get_secret_value(),
             store,
             config,

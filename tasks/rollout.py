@@ -98,7 +98,7 @@ run_rollout = blocking(dispatch)  # environments.dispatch.dispatch, its signatur
 @task(name="rollout-executions", task_run_name="roll out {n_problems} problems at step {step}")
 def rollout_executions(
     problems: list[dict[str, Any]],
-    gateway_url: str,
+    gateway_url: str | list[str],
     admin_token: str,
     store: StoreConfig,
     config: dict[str, Any],

@@ -87,16 +87,24 @@ def test_a_worker_silent_for_its_heartbeats_marks_its_host_lost(prefect_harness)
 
 
 @pytest.mark.slow
-def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_mid_step(tmp_path):
+def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_and_a_gateway_killed(
+    tmp_path,
+):
     """The campaign (colocate) in the root namespace with its gateway on the hosts' network, its store
     in S3 (a moto server there), and one cell on each of three hosts (bench/cluster.py). h3 is cut off
     while step 1's executions run on it: its cell starts again on another host with version 1, the
     executions go on from their recorded calls, and each execution and call is recorded once and
-    trained once."""
+    trained once. The campaign has two gateways, and the second is SIGKILLed during step 0: its
+    executions go on at their standby (the first), the campaign starts it again with the cells'
+    engines, and nothing it answered is lost."""
     from bench.cluster import campaign_on_hosts
 
     # 5 missed 2 s heartbeats, not 3: on a loaded 2-core machine a live worker may beat late
-    figures = campaign_on_hosts(tmp_path, cells=[1, 1, 1], cut="h3", heartbeat_misses=5)
+    figures = campaign_on_hosts(
+        tmp_path, cells=[1, 1, 1], cut="h3", heartbeat_misses=5, gateways=2, kill_gateway=True
+    )
+    assert figures["gateway_calls_before_kill"] >= 3 and figures["gateway_serving_again_s"] > 0
+    assert figures["executions_went_on_at_standby"] >= 1
     assert figures["steps"] == 2 and figures["executions_trained"] == [6, 6]
     assert figures["executions"] == 12 and figures["executions_lost"] == 0
     assert figures["executions_recorded_twice"] == 0 and figures["calls_recorded_twice"] == 0

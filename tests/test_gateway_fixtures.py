@@ -266,3 +266,20 @@ def gateway_stack(
         url, _ = stack.enter_context(serving(create_app(gateway), port=port))
         urls.update(dict(extra_engines))
         yield Stack(engines, urls, servers, gateway, url, store)
+
+
+def scripted_gateway_config(folder: str, store, engine_url: str, spool: str | None = None):
+    """A gateway process's config in front of one scripted engine (tests/scripted_engine.py) that
+    never flushes on its own: what it answered stays in its spool until an execution finishes."""
+    from engines.gateway import EngineSpec, GatewayConfig
+
+    return GatewayConfig(
+        model=folder,
+        port=free_port(),
+        admin_token=ADMIN_TOKEN,
+        engines=[EngineSpec(url=engine_url, engine_id="scripted")],
+        engine_admin_token=ENGINE_TOKEN,
+        store=store,
+        spool_dir=spool,
+        flush_interval_s=3600,
+    )

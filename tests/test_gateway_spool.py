@@ -12,13 +12,11 @@ import httpx
 import openai
 import pytest
 
-from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.model.tokenizer import save_tokenizer
-from engines.net import free_port
 from environments.gateway_admin import GatewayAdmin
 from tasks.services.stack import serving_process
 from tests.scripted_engine import scripted_engine_app
-from tests.test_gateway_fixtures import ADMIN_TOKEN, ENGINE_TOKEN, serving, tokenizer
+from tests.test_gateway_fixtures import ADMIN_TOKEN, scripted_gateway_config, serving, tokenizer
 from trajectory_store.recorder import Recorder
 from trajectory_store.storage import Store, StoreConfig
 
@@ -60,15 +58,7 @@ def test_a_gateway_killed_between_flushes_loses_no_answered_call(tmp_path):
     save_tokenizer(tokenizer(), folder)
     store = StoreConfig(data_root=str(tmp_path / "store"), campaign="spool")
     with serving(scripted_engine_app(lambda text: "ok")) as (engine_url, _):
-        config = GatewayConfig(
-            model=folder,
-            port=free_port(),
-            admin_token=ADMIN_TOKEN,
-            engines=[EngineSpec(url=engine_url, engine_id="scripted")],
-            engine_admin_token=ENGINE_TOKEN,
-            store=store,
-            flush_interval_s=3600,  # nothing is flushed before the kill
-        )
+        config = scripted_gateway_config(folder, store, engine_url)  # nothing is flushed before the kill
         command = [sys.executable, "-m", "engines.gateway", "--config", "-"]
         env = dict(os.environ)
         answered: set[tuple[str, int]] = set()

@@ -232,6 +232,11 @@ class Recorder:
         )
 
     # -- executions ----------------------------------------------------------------------------
+    def calls_of(self, execution_id: str) -> int:
+        """How many calls of the execution this recorder has taken (what its row's n_calls counts)."""
+        state = self._executions.get(execution_id)
+        return 0 if state is None else len(state.hashes)
+
     def record_execution(self, execution_id: str, status: str, **fields: Any) -> None:
         """Records (or replaces, until flushed) the execution's row; its prefix index is released."""
         self.record_execution_dict({"execution_id": execution_id, "status": status, **fields})

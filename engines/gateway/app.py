@@ -13,6 +13,7 @@ Admin (Authorization: Bearer <admin_token>; 403 when the gateway has none, 401 w
     POST /admin/executions {execution_id, problem_id, group_id, step, harness}
                                    -> {base_url, agent_base_url, api_key, step, created}
     GET  /admin/executions/<id>    POST /admin/executions/<id>/finish {status, reward, reward_source, snapshot_uri}
+    POST /admin/executions/<id>/release   (its ending is recorded by another gateway: environments/gateways.py)
     POST /admin/engines {url, engine_id?, admin_token?}   POST /admin/engines/<id>/drain | /activate
     GET  /admin/stats[?samples=true]   POST /admin/flush
 GET /health needs nothing.
@@ -63,6 +64,7 @@ from engines.admin import (
     GATEWAY_FLUSH,
     GATEWAY_STATS,
     REGISTER_EXECUTION,
+    RELEASE_EXECUTION,
     AddEngine,
     DeclareDead,
     DrainReport,
@@ -258,6 +260,10 @@ def create_app(gateway: Gateway, *, banner: bool = False) -> FastAPI:
     @api.post(FINISH_EXECUTION.path)
     async def finish(request: Request, execution_id: str) -> dict:
         return await gateway.finish_execution(execution_id, await read(request, FinishExecution))
+
+    @api.post(RELEASE_EXECUTION.path)
+    async def release(execution_id: str) -> dict:
+        return await gateway.release_execution(execution_id)
 
     @api.post(ADD_ENGINE.path)
     async def add_engine(request: Request) -> EngineAdded:

@@ -40,6 +40,7 @@ class LimitsConfig(BaseModel):
     max_calls_per_execution: int = Field(
         10_000,
         ge=1,
+        le=1 << 20,  # a standby gateway numbers an execution's calls from 2**20 (environments/gateways.py)
         description="most calls one execution may make (all its agents together); further calls get 400 "
         "(code execution_limit_exceeded)",
     )

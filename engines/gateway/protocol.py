@@ -185,6 +185,21 @@ class RegisterExecution(_Lenient):
         "to a dispatcher that died: it is recorded as abandoned and the register is refused with 409 "
         "execution_superseded, so the new attempt takes a new id and never inherits the old one's calls",
     )
+    api_key: str | None = Field(
+        None,
+        min_length=32,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_\-]+$",
+        description="the key the execution's calls carry (default: a new random one); a dispatcher with "
+        "several gateways registers an execution at its standby gateway under the key its primary gave, "
+        "so the harness's calls are accepted by either",
+    )
+    first_call_id: int = Field(
+        0,
+        ge=0,
+        description="the call_id of the execution's first call here; a standby gateway numbers its calls "
+        "from a base of its own, so calls recorded by two gateways never share an id",
+    )
 
 
 class FinishExecution(_Lenient):
@@ -194,6 +209,9 @@ class FinishExecution(_Lenient):
     )
     reward_source: RewardSource | None = None
     snapshot_uri: str | None = None
+    calls_elsewhere: int = Field(
+        0, ge=0, description="calls of this execution that other gateways answered (its n_calls counts them)"
+    )
 
 
 def call_role(value: str | None, agent_id: str) -> Role:

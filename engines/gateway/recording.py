@@ -125,10 +125,17 @@ class CallRecording:
         asyncio.get_running_loop().call_soon(self._submit, recorder, args, fields)
 
     async def record_execution(
-        self, target: Target, execution_id: str, status: Status, **fields: Any
+        self, target: Target, execution_id: str, status: Status, *, calls_elsewhere: int = 0, **fields: Any
     ) -> None:
+        """``calls_elsewhere``: calls other gateways recorded for the execution, added to its n_calls."""
         recorder = self.recorder(target)
-        await self.run(lambda: recorder.record_execution(execution_id, status, **fields))
+
+        def record() -> None:
+            if calls_elsewhere:
+                fields["n_calls"] = recorder.calls_of(execution_id) + calls_elsewhere
+            recorder.record_execution(execution_id, status, **fields)
+
+        await self.run(record)
 
     async def forget(self, target: Target, execution_id: str) -> None:
         """Drops the execution's prefix index (it takes no more calls)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engines.gateway.context import SessionContext
 from engines.gateway.errors import GatewayError
@@ -45,6 +46,7 @@ class Execution:
     agents: dict[str, Agent] = field(default_factory=dict)
     attempt: str | None = None  # the registering dispatcher's token (RegisterExecution.attempt)
     calls: int = 0
+    call_base: int = 0  # the call_id of its first call here (RegisterExecution.first_call_id)
     taken_tokens: int = 0  # ids tokenized or generated for its calls (LimitsConfig.max_execution_tokens)
 
 
@@ -58,8 +60,9 @@ class Registry:
     def __init__(self) -> None:
         self.executions: dict[str, Execution] = {}
         self._by_key: dict[str, Execution] = {}
-        self.finished: dict[tuple[str | None, str], Status] = {}  # (campaign, execution id) -> status
-        self._last_status: dict[str, Status] = {}  # execution id -> status, for the 404's message
+        # (campaign, execution id) -> status, or "released" (its ending is recorded by another gateway)
+        self.finished: dict[tuple[str | None, str], Status | Literal["released"]] = {}
+        self._last_status: dict[str, str] = {}  # execution id -> status, for the 404's message
 
     def register(self, body: RegisterExecution, default_step: int) -> tuple[Execution, bool]:
         """(execution, created). Registering a live id again returns it unchanged (retry-safe)."""
@@ -86,9 +89,17 @@ class Registry:
             )
         if existing is not None:
             return existing, False
+        if body.api_key is not None and body.api_key in self._by_key:
+            raise GatewayError(
+                409,
+                f"the api_key given for {body.execution_id} is another live execution's",
+                code="api_key_taken",
+                param="api_key",
+            )
         execution = Execution(
             execution_id=body.execution_id,
-            api_key="gyre-" + secrets.token_urlsafe(32),
+            api_key=body.api_key or "gyre-" + secrets.token_urlsafe(32),
+            call_base=body.first_call_id,
             step=default_step if body.step is None else body.step,
             campaign=body.campaign,
             problem_id=body.problem_id,
@@ -131,7 +142,7 @@ class Registry:
     def target(self, execution: Execution) -> tuple[str | None, int]:
         return (execution.campaign, execution.step)
 
-    def finish(self, execution_id: str, status: Status) -> Execution:
+    def finish(self, execution_id: str, status: Status | Literal["released"]) -> Execution:
         execution = self.get(execution_id)
         del self.executions[execution_id]
         self._by_key.pop(execution.api_key, None)

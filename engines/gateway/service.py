@@ -213,11 +213,32 @@ class Gateway:
                 snapshot_uri=body.snapshot_uri,
                 started_at=execution.started_at,
                 ended_at=time.time(),
+                calls_elsewhere=body.calls_elsewhere,
             )
         except RecordError as exc:
             raise GatewayError(
                 400, f"the execution record was refused: {exc}", code="invalid_record"
             ) from exc
+        return {
+            "execution_id": execution_id,
+            "status": body.status,
+            "calls": execution.calls,
+            "flush": await self._let_go(execution),
+        }
+
+    async def release_execution(self, execution_id: str) -> dict[str, Any]:
+        """The execution leaves this gateway without a row of its own (another gateway records its
+        ending): its sessions are released and the calls it made here flushed."""
+        execution = self.registry.finish(execution_id, "released")
+        return {
+            "execution_id": execution_id,
+            "calls": execution.calls,
+            "flush": await self._let_go(execution),
+        }
+
+    async def _let_go(self, execution: Execution) -> dict[str, Any]:
+        """Releases a finished execution's engine sessions, flushes, drops its prefix index; the flush
+        report (or why it failed: the rows then stay buffered and the periodic flush retries)."""
         busy = False
         for agent in execution.agents.values():
             busy |= agent.route.lock.locked()
@@ -226,17 +247,12 @@ class Gateway:
             flushed = (await self.flush()).model_dump()
         except Exception as exc:  # the store is down: the rows stay buffered, the periodic flush retries
             logger.warning(
-                "flushing at the finish of %s failed (the rows stay buffered): %s", execution_id, exc
+                "flushing at the end of %s failed (the rows stay buffered): %s", execution.execution_id, exc
             )
             flushed = {"error": f"{type(exc).__name__}: {exc}"[:500], "buffered": True}
         if not busy:  # a call still in flight will record into the prefix index: keep it then
-            await self.recording.forget(self.registry.target(execution), execution_id)
-        return {
-            "execution_id": execution_id,
-            "status": body.status,
-            "calls": execution.calls,
-            "flush": flushed,
-        }
+            await self.recording.forget(self.registry.target(execution), execution.execution_id)
+        return flushed
 
     def describe(self, *, samples: bool = False) -> GatewayStatsReport:
         """GET /admin/stats (``samples``: with every recent overhead sample)."""
@@ -412,7 +428,7 @@ class Gateway:
         version = min(out.versions) if out.versions else (engine.policy_version or 0)
         engine_id = engine.engine_id  # the engine's own id (Router.connect), as in routing and stats
         migrated = result.migrated or gyre.migrated
-        call_id = execution.calls
+        call_id = execution.call_base + execution.calls
         self.recording.record_call_soon(
             self.registry.target(execution),
             execution.execution_id,

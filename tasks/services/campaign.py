@@ -23,7 +23,7 @@ import fsspec
 import httpx
 from pydantic import BaseModel, Field, SecretStr
 
-from engines.admin import AdminClient
+from engines.admin import AdminClient, AdminError
 from engines.devices import CellDevices
 from engines.net import host_of
 from engines.train.core import default_fast_dir
@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 
 class Services(BaseModel):
     gateway_url: str
+    gateway_urls: list[str] = Field(
+        default_factory=list,
+        description="every gateway when there are several ([cluster] gateways), gateway_url first; [] with one",
+    )
     admin_token: SecretStr
     engine_urls: list[str]
     engine_admin_token: SecretStr
@@ -81,6 +85,7 @@ def campaign_services(
             policy_root=target.url(target.campaign_dir),
             fast_dir=fast_dir,
             cell_cgroups=[c.cgroup for c in getattr(stack, "cells", []) if c.cgroup is not None],
+            gateway_urls=getattr(stack, "gateway_urls", []),
         )
         return Services(**{**fields, **more})
 
@@ -106,6 +111,7 @@ def campaign_services(
         shutil.rmtree(fast_dir, ignore_errors=True)
 
 
+_STACKS: dict[str, LocalStack] = {}
 _FLEETS: dict[str, CellFleet] = {}
 """The cell fleet of each campaign in this process, by its gateway URL: serve_version tells it the
 version a cell started from then on loads."""
@@ -135,10 +141,18 @@ def cluster_stack(
             "[cluster] gateway_address is not set: give the address of this machine that every host reaches "
             "(the campaign's gateway listens there and the cells join it)"
         )
-    with local_stack(model, store, engines=0, serving=serving, gateway_host=cluster.gateway_address) as stack:
+    with local_stack(
+        model,
+        store,
+        engines=0,
+        serving=serving,
+        gateway_host=cluster.gateway_address,
+        gateways=cluster.gateways,
+    ) as stack:
         order = CellOrder(
             policy=share_policy(model, store),
             gateway_url=stack.gateway_url,
+            more_gateways=tuple(stack.gateway_urls[1:]),
             serving=serving.model_dump(include=set(CELL_SERVING)),
         )
         fleet = CellFleet(cluster, order)
@@ -149,15 +163,60 @@ def cluster_stack(
                 fleet.start()
                 urls = fleet.wait_serving(admin)
                 _FLEETS[stack.gateway_url] = fleet
+                _STACKS[stack.gateway_url] = stack
                 watch = threading.Thread(
                     target=fleet.watch, args=(admin, stop), name="cell-fleet", daemon=True
                 )
                 watch.start()
+                if stack.gateway_urls:
+                    threading.Thread(
+                        target=_revive_gateways,
+                        args=(stack, cluster.watch_interval_s, stop),
+                        name="gateways",
+                        daemon=True,
+                    ).start()
                 yield stack, [urls[cell_id] for cell_id, _ in cluster.placement()]
             finally:
                 stop.set()
                 _FLEETS.pop(stack.gateway_url, None)
+                _STACKS.pop(stack.gateway_url, None)
                 fleet.stop()
+
+
+def _revive_gateways(stack: LocalStack, interval_s: float, stop: threading.Event) -> None:
+    """Starts a campaign's gateway again once its process died (it writes its spool's calls before it
+    serves, environments/gateways.py) and gives it the cells a live gateway serves with."""
+    while not stop.wait(interval_s):
+        for url in stack.gateway_urls:
+            process = stack.processes.get(url)
+            if process is None or process.poll() is None or stop.is_set():
+                continue
+            log.warning("gateway %s exited with %s: starting it again", url, process.returncode)
+            try:
+                stack.restart(url)  # type: ignore[misc]
+                revive_engines(stack, url)
+            except Exception:  # the next round tries again
+                log.exception("gateway %s could not be started again", url)
+
+
+def revive_engines(stack: LocalStack, url: str) -> list[str]:
+    """Adds to the gateway at ``url`` the engines a sibling gateway serves with (it starts with none:
+    the cells joined the gateways as they started). Their ids."""
+    added = []
+    for sibling in stack.gateway_urls:
+        if sibling == url:
+            continue
+        try:
+            with AdminClient(sibling, stack.admin_token, stack.engine_admin_token) as admin:
+                engines = [e for e in admin.gateway_stats().engines if e.state != "dead"]
+        except (AdminError, httpx.HTTPError):
+            continue
+        with AdminClient(url, stack.admin_token, stack.engine_admin_token) as admin:
+            for engine in engines:
+                admin.add_engine(engine.url, engine_id=engine.engine_id, host=engine.host)
+                added.append(engine.engine_id)
+        break
+    return added
 
 
 def share_policy(model: str, store: StoreConfig) -> str:
@@ -176,6 +235,11 @@ def share_policy(model: str, store: StoreConfig) -> str:
 def running_fleets() -> list[CellFleet]:
     """The cell fleets of the campaigns running in this process (their cells on hosts)."""
     return list(_FLEETS.values())
+
+
+def running_cluster_stacks() -> list[LocalStack]:
+    """The gateways' stacks of the campaigns on hosts running in this process (fault tests kill them)."""
+    return list(_STACKS.values())
 
 
 def live_engine_urls(services: Services) -> list[str]:
@@ -260,13 +324,14 @@ def gateway_admin(services: Services) -> AdminClient:
 def readd_dead_engines(services: Services, engines: list[str]) -> list[str]:
     """Adds back to the gateway each engine of ``engines`` it holds dead (a process that died and was
     started again on its address, by `gyre up --watch` or `gyre run`); call it once the engine serves
-    the step's version. Returns their ids."""
+    the step's version. Returns their ids (at every gateway, when there are several)."""
     added = []
-    with gateway_admin(services) as admin:
-        for engine in admin.gateway_stats().engines:
-            if engine.state == "dead" and engine.url in engines:
-                admin.add_engine(engine.url)
-                added.append(engine.engine_id)
+    for url in services.gateway_urls or [services.gateway_url]:
+        with AdminClient(url, services.admin_token.get_secret_value(), timeout_s=60) as admin:
+            for engine in admin.gateway_stats().engines:
+                if engine.state == "dead" and engine.url in engines:
+                    admin.add_engine(engine.url)
+                    added.append(engine.engine_id)
     return added
 
 

@@ -37,7 +37,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -110,6 +110,14 @@ class ClusterConfig(BaseModel):
         description="the address of the machine the campaign runs on that every host reaches: the campaign's "
         "gateway listens there (a campaign with [cluster] needs it)",
     )
+    gateways: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="gateway processes on gateway_address: each execution is pinned to one by its id and "
+        "registered at the next as its standby, which takes its calls if the first dies "
+        "(environments/gateways.py); every cell serves behind all of them",
+    )
     heartbeat_misses: PositiveInt = Field(
         3, description="worker heartbeats a host may miss before its cells are replaced"
     )
@@ -153,6 +161,7 @@ class CellOrder:
 
     policy: str  # the policy folder, at the same path on every host
     gateway_url: str  # as the hosts reach it
+    more_gateways: tuple[str, ...] = ()  # the campaign's other gateways ([cluster] gateways): cells join all
     serving: dict[str, Any] = field(default_factory=dict)  # ServingConfig fields (engine kind, threads, ...)
     tokens_block: str = TOKENS_BLOCK
     weights: str | None = None  # the version a cell started now loads first (a URL the hosts read)
@@ -167,6 +176,7 @@ class CellOrder:
             "address": host.address,
             "policy": self.policy,
             "gateway_url": self.gateway_url,
+            "more_gateways": list(self.more_gateways),
             "serving": self.serving,
             "tokens_block": self.tokens_block,
             "weights": self.weights,
@@ -192,13 +202,15 @@ def serve_cell(
     threads: int | None = None,
     gpus: list[int] | None = None,
     poll_s: float = 2.0,
+    more_gateways: Sequence[str] = (),
 ) -> dict[str, Any]:
     """A cell's life on its host: its engine listening on ``address`` (serving ``weights`` as
     ``version`` when given: the campaign's current version, for a cell started mid-campaign), added to
     the gateway as ``cell_id`` on ``host``, until ``should_stop`` gives a reason (returned) or the
     engine dies (RuntimeError). The engine stops with the block, also when the flow run is cancelled.
     ``threads`` and ``gpus``: the engine's torch threads (None: ``serving``'s engine_threads) and
-    visible GPUs (None: inherited)."""
+    visible GPUs (None: inherited). ``more_gateways``: the campaign's other gateways, which the engine
+    joins too (one that does not answer is skipped, with a line saying so)."""
     policy = local_policy(policy)
     port = free_port(address)
     command, stdin, _ = engine_process(
@@ -214,6 +226,12 @@ def serve_cell(
         if weights is not None:
             admin.load_weights(url, weights, version, drop_kv=True)
         added = admin.add_engine(url, engine_id=cell_id, host=host)
+        for other in more_gateways:
+            try:
+                with AdminClient(other, admin_token, engine_admin_token) as more:
+                    more.add_engine(url, engine_id=cell_id, host=host)
+            except (AdminError, httpx.HTTPError) as exc:
+                print(f"cell {cell_id} on {host}: gateway {other} did not take the engine: {exc}")
         print(
             f"cell {cell_id} on {host}: engine {added.engine_id} at {url} serves {weights or policy} (v{version})"
         )
@@ -391,6 +409,19 @@ class CellFleet:
                 raise TimeoutError(f"cells {waiting} are not serving after {timeout_s:g} s")
             time.sleep(0.5)
 
+    def _declare_dead(self, admin: AdminClient, cell_id: str, message: str) -> None:
+        """The cell's engine declared dead at every gateway of the campaign (its calls there re-run)."""
+        try:
+            admin.declare_dead(cell_id, message)
+        except AdminError as exc:  # not in the gateway (it never started): nothing to declare
+            log.warning("cell %s: %s", cell_id, exc)
+        for url in self.order.more_gateways:
+            try:
+                with AdminClient(url, admin.gateway_token, admin.engine_token) as other:
+                    other.declare_dead(cell_id, message)
+            except (AdminError, httpx.HTTPError) as exc:
+                log.warning("cell %s at gateway %s: %s", cell_id, url, exc)
+
     def lost_hosts(self) -> dict[str, str]:
         """Hosts holding cells whose pool has no worker that beat within ``heartbeat_misses`` of its
         heartbeats: host -> why."""
@@ -443,10 +474,7 @@ class CellFleet:
                 message = f"host {host} lost: {why}"
                 with self._client() as client:
                     client.set_flow_run_state(cell.flow_run_id, Crashed(message=message), force=True)
-                try:
-                    admin.declare_dead(cell.cell_id, message)
-                except AdminError as exc:  # not in the gateway (it never started): nothing to declare
-                    log.warning("cell %s: %s", cell.cell_id, exc)
+                self._declare_dead(admin, cell.cell_id, message)
                 target = self._least_loaded()
                 if target is None:
                     raise RuntimeError(f"cell {cell.cell_id}: host {host} is lost and no live host has room")

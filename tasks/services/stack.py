@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,7 +38,7 @@ from trajectory_store.storage import StoreConfig
 
 @dataclass
 class LocalStack:
-    gateway_url: str
+    gateway_url: str  # the first gateway's
     admin_token: str
     engine_urls: list[str]
     engine_admin_token: str
@@ -52,6 +52,11 @@ class LocalStack:
     other processes (its trainer replica, the core trainer for cell 0) are started with."""
     partition: CpuPartition = field(default_factory=CpuPartition.none)
     """The cells' CPU cgroups (``partitioned`` False: none, the cells share the cores)."""
+    gateway_urls: list[str] = field(default_factory=list)
+    """Every gateway (``gateways`` > 1), the first being gateway_url; [] with one."""
+    restart: Callable[[str], subprocess.Popen] | None = None
+    """Starts the gateway at this URL again (same port, config and spool) once its process died, for
+    the duration of the stack; returns the new process (also put in ``processes``)."""
 
 
 @contextlib.contextmanager
@@ -70,6 +75,7 @@ def local_stack(
     serving: ServingConfig | None = None,
     partition: Literal["none", "cgroup"] | None = None,
     gateway_host: str = "127.0.0.1",
+    gateways: int = 1,
 ) -> Iterator[LocalStack]:
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
     its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk.
@@ -78,7 +84,9 @@ def local_stack(
     ``serving``: a campaign's whole [serving] (its engine kind and vLLM options) in place of
     max_batch_size, dtype, engine and vllm_python. ``partition``: 'cgroup' gives each cell its CPU share
     as a cgroup quota (None: ``serving``'s, else 'none'). ``gateway_host``: where the gateway listens
-    (an address other hosts reach, for engines there: tasks/services/cluster.py)."""
+    (an address other hosts reach, for engines there: tasks/services/cluster.py); ``gateways``: how many
+    gateway processes, each on a port of its own with the same engines and store
+    (environments/gateways.py spreads executions over them)."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     env = {**os.environ, **process_env(CellDevices(threads=threads))}
     if cells is not None and len(cells) != engines:
@@ -102,20 +110,32 @@ def local_stack(
             url = f"http://127.0.0.1:{port}"
             processes[url] = stack.enter_context(serving_process(command, url, engine_env, stdin=stdin))
             engine_urls.append(url)
-        gateway = GatewayConfig(
-            model=model_dir,
-            host=gateway_host,
-            port=free_port(gateway_host),
-            engines=[EngineSpec(url=url) for url in engine_urls],
-            admin_token=admin_token,
-            engine_admin_token=engine_token,
-            store=store,
-            step=step,
-        )
         command = [sys.executable, "-m", "engines.gateway", "--config", "-"]
-        processes[gateway.base_url()] = stack.enter_context(
-            serving_process(command, gateway.base_url(), env, stdin=gateway.model_dump_json())
-        )
+        configs = []
+        for _ in range(gateways):
+            gateway = GatewayConfig(
+                model=model_dir,
+                host=gateway_host,
+                port=free_port(gateway_host),
+                engines=[EngineSpec(url=url) for url in engine_urls],
+                admin_token=admin_token,
+                engine_admin_token=engine_token,
+                store=store,
+                step=step,
+            )
+            processes[gateway.base_url()] = stack.enter_context(
+                serving_process(command, gateway.base_url(), env, stdin=gateway.model_dump_json())
+            )
+            configs.append(gateway)
+        by_url = {c.base_url(): c for c in configs}
+
+        def restart(url: str) -> subprocess.Popen:
+            config = by_url[url]
+            process = stack.enter_context(serving_process(command, url, env, stdin=config.model_dump_json()))
+            processes[url] = process
+            return process
+
+        gateway = configs[0]
         yield LocalStack(
             gateway.base_url(),
             admin_token,
@@ -126,6 +146,8 @@ def local_stack(
             gateway.model_dump_json(),
             cells,
             quota,
+            [c.base_url() for c in configs] if gateways > 1 else [],
+            restart,
         )
 
 
