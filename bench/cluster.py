@@ -100,7 +100,7 @@ def campaign_on_hosts(
     1; its figures, and the checks of what it recorded (see the module's docstring).
     ``heartbeat_misses``: [cluster]'s (a test on a loaded machine gives the workers more slack).
     ``gateways``: [cluster]'s; ``kill_gateway``: SIGKILL the last gateway during step 0, once it has
-    answered 3 calls (its executions go on at their standby; the campaign starts it again)."""
+    answered its first call (its executions go on at their standby; the campaign starts it again)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -232,8 +232,9 @@ def campaign_on_hosts(
 
 
 def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[str, Any]:
-    """SIGKILLs the campaign's last gateway once it has answered 3 calls of step 0; then waits until
-    the campaign has started it again (its /health answers) with the cells' engines."""
+    """SIGKILLs the campaign's last gateway once it has answered its first call of step 0 (its
+    executions then have calls left to make); then waits until the campaign has started it again
+    (its /health answers) with the cells' engines."""
     from prefect.blocks.system import Secret
 
     from tasks.services.campaign import running_cluster_stacks
@@ -247,9 +248,9 @@ def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[
     url = stack.gateway_urls[-1]
     tokens = Secret.load(running_fleets_order_block()).get()
     with AdminClient(url, tokens["admin_token"], tokens["engine_admin_token"]) as admin:
-        while (calls := admin.gateway_stats().calls) < 3:
+        while (calls := admin.gateway_stats().calls) < 1:
             if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway {url} never took 3 calls: {result.get('error')!r}")
+                raise RuntimeError(f"the gateway {url} never took a call: {result.get('error')!r}")
             time.sleep(0.1)
         process = stack.processes[url]
         process.kill()
@@ -296,18 +297,20 @@ def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -
     fleet = running_fleets()[0]
     mine = sorted(c.cell_id for c in fleet.cells.values() if c.host == host.name)
     tokens = Secret.load(fleet.order.tokens_block).get()
+    gateways = [fleet.order.gateway_url, *fleet.order.more_gateways]
     with AdminClient(fleet.order.gateway_url, tokens["admin_token"], tokens["engine_admin_token"]) as admin:
         while True:
             alive(f"step 1 never ran on {host.name}")
-            view = next((e for e in admin.gateway_stats().engines if e.engine_id == mine[0]), None)
-            with contextlib.suppress(httpx.TransportError):  # a cell between two runs
-                if (
-                    view is not None
-                    and view.sessions > 0
-                    and admin.engine_stats(view.url).policy_version == 1
-                ):
+            with contextlib.suppress(httpx.TransportError):  # a cell between two runs, a gateway restarting
+                view, sessions = None, 0
+                for url in gateways:  # each gateway holds the sessions of the executions pinned to it
+                    with AdminClient(url, tokens["admin_token"], tokens["engine_admin_token"]) as one:
+                        seen = next((e for e in one.gateway_stats().engines if e.engine_id == mine[0]), None)
+                    if seen is not None:
+                        view, sessions = view or seen, sessions + seen.sessions
+                if view is not None and sessions > 0 and admin.engine_stats(view.url).policy_version == 1:
                     break
-            time.sleep(0.2)
+            time.sleep(0.1)
         cut_off(host)
         cut_at = time.monotonic()
         found = None
@@ -328,7 +331,7 @@ def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -
             time.sleep(0.2)
     return {
         "cut": host.name,
-        "sessions_on_cut_cell": view.sessions,
+        "sessions_on_cut_cell": sessions,
         "found_lost_s": round(found if found is not None else time.monotonic() - cut_at, 2),
         "recovery_s": round(time.monotonic() - cut_at, 2),
         "moved": {r.cell_id: r.host for r in fleet.replacements},

@@ -30,6 +30,7 @@
     gyre bench exploits [--graders KINDS]              every known exploit against every folder grader (reward integrity)
     gyre bench faults [--quick] [--only PARTS]         processes killed, misbehaving agents, gateway load: lost / duplicated work
     gyre bench hosts [--quick]                         beyond one machine: KV over TCP, training, a campaign across hosts
+    gyre bench placement                               cells on hosts: Prefect work pools against prefect-ray (make ray)
     gyre bench xlong [--quick]                         one execution touching up to 1M tokens: time and memory per stage
     gyre sim [--preset NAME] [--set KEY=VALUE ...]     one simulated comparison of the three policies, against the bound
 
@@ -191,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="8K tokens only, one round; the campaign only with a host cut off",
     )
     hosts_bench.add_argument("--out", default="bench/results/hosts.json", help="where the figures go (JSON)")
+    placement_bench = bench_commands.add_parser(
+        "placement",
+        help="placing cells on hosts: Prefect work pools against prefect-ray, on the same test hosts (make ray)",
+    )
+    placement_bench.add_argument(
+        "--out", default="bench/results/placement.json", help="where the figures go (JSON)"
+    )
     xlong_bench = bench_commands.add_parser(
         "xlong", help="one execution touching up to 1M tokens, end to end: time and peak memory per stage"
     )
@@ -287,6 +295,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.hosts import main as bench_hosts
 
         return bench_hosts(quick=args.quick, out=args.out)
+    if args.command == "bench" and args.bench_command == "placement":
+        from bench.placement import main as bench_placement
+
+        return bench_placement(out=args.out)
     if args.command == "bench" and args.bench_command == "xlong":
         from bench.xlong import main as bench_xlong
 

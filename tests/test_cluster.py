@@ -103,7 +103,7 @@ def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_an
     figures = campaign_on_hosts(
         tmp_path, cells=[1, 1, 1], cut="h3", heartbeat_misses=5, gateways=2, kill_gateway=True
     )
-    assert figures["gateway_calls_before_kill"] >= 3 and figures["gateway_serving_again_s"] > 0
+    assert figures["gateway_calls_before_kill"] >= 1 and figures["gateway_serving_again_s"] > 0
     assert figures["executions_went_on_at_standby"] >= 1
     assert figures["steps"] == 2 and figures["executions_trained"] == [6, 6]
     assert figures["executions"] == 12 and figures["executions_lost"] == 0
@@ -149,9 +149,9 @@ def test_gyre_deploys_a_clusters_cells_and_runs_it_only_against_a_server_the_hos
     with get_client(sync_client=True) as client:
         for host in ("gpu-a", "gpu-b"):
             deployment = client.read_deployment_by_name(f"gyre-cell/{host}")
-            assert (
-                deployment.work_pool_name == f"gyre-{host}" and deployment.entrypoint == "flows/cell.py:cell"
-            )
+            # the flow by its module: a host imports it from its own install, at any path
+            assert deployment.work_pool_name == f"gyre-{host}" and deployment.entrypoint == "flows.cell.cell"
+            assert deployment.path is None and not deployment.pull_steps
 
     plain = tmp_path / "plain.toml"
     plain.write_text('name = "p"\n')
