@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts_bench.add_argument(
         "--quick",
         action="store_true",
-        help="8K tokens only, one round; the campaign only with a host cut off",
+        help="8K tokens only, one round; the campaign only with a host cut off and with a gateway killed",
     )
     hosts_bench.add_argument("--out", default="bench/results/hosts.json", help="where the figures go (JSON)")
     placement_bench = bench_commands.add_parser(
