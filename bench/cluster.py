@@ -232,9 +232,10 @@ def campaign_on_hosts(
 
 
 def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[str, Any]:
-    """SIGKILLs the campaign's last gateway once it has answered its first call of step 0 (its
-    executions then have calls left to make); then waits until the campaign has started it again
-    (its /health answers) with the cells' engines."""
+    """SIGKILLs the campaign's last gateway once it has answered its first call of step 0's roll-out
+    (after the baseline evaluation, whose executions belong to another campaign; its executions then
+    have calls left to make); then waits until the campaign has started it again (its /health
+    answers) with the cells' engines."""
     from prefect.blocks.system import Secret
 
     from tasks.services.campaign import running_cluster_stacks
@@ -247,8 +248,13 @@ def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[
     stack = running_cluster_stacks()[0]
     url = stack.gateway_urls[-1]
     tokens = Secret.load(running_fleets_order_block()).get()
+    while not _rolling_out_step_0():  # not the baseline evaluation before it: another campaign's calls
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"step 0 never rolled out: {result.get('error')!r}")
+        time.sleep(0.2)
     with AdminClient(url, tokens["admin_token"], tokens["engine_admin_token"]) as admin:
-        while (calls := admin.gateway_stats().calls) < 1:
+        before = admin.gateway_stats().calls
+        while (calls := admin.gateway_stats().calls) <= before:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway {url} never took a call: {result.get('error')!r}")
             time.sleep(0.1)
@@ -269,6 +275,17 @@ def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[
         "gateway_calls_before_kill": calls,
         "gateway_serving_again_s": round(time.monotonic() - killed_at, 2),
     }
+
+
+def _rolling_out_step_0() -> bool:
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["roll out step 0"]))
+        )
+    return any(r.state is not None and r.state.is_running() for r in runs)
 
 
 def running_fleets_order_block() -> str:
