@@ -281,11 +281,13 @@ def _rolling_out_step_0() -> bool:
     from prefect import get_client
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 
+    # the baseline evaluation's task Completed (task states reach the API late, so a Running roll-out
+    # can be missed; a final state is not): the gateway's next calls are step 0's
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(
-            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["roll out step 0"]))
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["evaluate version 0"]))
         )
-    return any(r.state is not None and r.state.is_running() for r in runs)
+    return any(r.state is not None and r.state.is_completed() for r in runs)
 
 
 def running_fleets_order_block() -> str:
