@@ -156,7 +156,7 @@ def campaign_on_hosts(
         started = time.monotonic()
         thread = threading.Thread(target=run, name="campaign")
         thread.start()
-        killing = _kill_gateway_during_step_0(thread, result) if kill_gateway else {}
+        killing = _kill_gateway_during_step_0(config, thread, result) if kill_gateway else {}
         cutting = _cut_during_step_1(by_name[cut], thread, result) if cut else {}
         thread.join(1800)
         if thread.is_alive() or "error" in result:
@@ -231,7 +231,7 @@ def campaign_on_hosts(
     }
 
 
-def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[str, Any]:
+def _kill_gateway_during_step_0(config, thread: threading.Thread, result: dict) -> dict[str, Any]:
     """SIGKILLs the campaign's last gateway once it has answered its first call of step 0's roll-out
     (after the baseline evaluation, whose executions belong to another campaign; its executions then
     have calls left to make); then waits until the campaign has started it again (its /health
@@ -248,7 +248,7 @@ def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[
     stack = running_cluster_stacks()[0]
     url = stack.gateway_urls[-1]
     tokens = Secret.load(running_fleets_order_block()).get()
-    while not _rolling_out_step_0():  # not the baseline evaluation before it: another campaign's calls
+    while not _evaluated_version_0(config):  # not during it: the evaluation's calls are another campaign's
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"step 0 never rolled out: {result.get('error')!r}")
         time.sleep(0.2)
@@ -277,17 +277,14 @@ def _kill_gateway_during_step_0(thread: threading.Thread, result: dict) -> dict[
     }
 
 
-def _rolling_out_step_0() -> bool:
-    from prefect import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+def _evaluated_version_0(config) -> bool:
+    """Whether the campaign has recorded its baseline evaluation in its store: the gateways' next
+    calls are step 0's. (Read from the store, not from the evaluation task's state in Prefect: task
+    states reach the API late, and under load a whole step could pass before one is seen.)"""
+    from flows.campaign import campaign_store
+    from tasks.commit import committed_evaluations
 
-    # the baseline evaluation's task Completed (task states reach the API late, so a Running roll-out
-    # can be missed; a final state is not): the gateway's next calls are step 0's
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["evaluate version 0"]))
-        )
-    return any(r.state is not None and r.state.is_completed() for r in runs)
+    return 0 in committed_evaluations(campaign_store(config)[0])
 
 
 def running_fleets_order_block() -> str:
