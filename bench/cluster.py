@@ -49,6 +49,8 @@ HEARTBEAT_S = 2  # the workers' heartbeat (Prefect's default is 30 s)
 
 
 def campaign_config(name: str, policy: str, data_root: str, cluster: dict[str, Any]):
+    """The campaign's config; with ``cluster["core_hosts"]`` its core's optimizer state is split across
+    the ranks (ZeRO 1)."""
     from flows.config import CampaignConfig
 
     return CampaignConfig.model_validate(
@@ -67,7 +69,7 @@ def campaign_config(name: str, policy: str, data_root: str, cluster: dict[str, A
                 "durations": {"short_turns": 3, "long_fraction": 0.0},
                 "harness": {"max_tokens": 24, "max_retries": 0, "max_subagents": 0},
             },
-            "trainer": {"lr": 1e-4},
+            "trainer": {"lr": 1e-4, "zero_stage": 1 if cluster.get("core_hosts") else 0},
             "serving": {"trainer_threads": 1},
             "cluster": cluster,
         }
@@ -95,12 +97,14 @@ def campaign_on_hosts(
     heartbeat_misses: int = 3,
     gateways: int = 1,
     kill_gateway: bool = False,
+    core_hosts: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Runs the campaign with ``cells[i]`` cells on host h<i+1>, cutting host ``cut`` off during step
     1; its figures, and the checks of what it recorded (see the module's docstring).
     ``heartbeat_misses``: [cluster]'s (a test on a loaded machine gives the workers more slack).
     ``gateways``: [cluster]'s; ``kill_gateway``: SIGKILL the last gateway during step 0, once it has
-    answered its first call (its executions go on at their standby; the campaign starts it again)."""
+    answered its first call (its executions go on at their standby; the campaign starts it again);
+    ``core_hosts``: [cluster]'s (a rank of the core on each of them every step)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -132,6 +136,7 @@ def campaign_on_hosts(
             "gateways": gateways,
             "heartbeat_misses": heartbeat_misses,
             "watch_interval_s": 1.0,
+            "core_hosts": list(core_hosts),
         }
         config = campaign_config("across", policy, f"s3://{bucket}/data", cluster)
         deploy_cells(config.cluster)
@@ -193,6 +198,12 @@ def campaign_on_hosts(
                 trained[execution] = trained.get(execution, 0) + 1
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["gyre-cell"])))
+            core_runs = {
+                r.name: r.state.type.value
+                for r in client.read_flow_runs(
+                    flow_filter=FlowFilter(name=FlowFilterName(any_=["gyre-core-rank"]))
+                )
+            }
         cell_runs = {
             r.name: {
                 "state": r.state.type.value,
@@ -224,6 +235,8 @@ def campaign_on_hosts(
         "engines_left_listening": left,
         "bytes_between_hosts_per_step": round(sum(link.values()) / max(len(records), 1)),
         "cell_runs": cell_runs,
+        "core_ranks": [int(r.metrics.get("core_ranks", 1)) for r in records],
+        "core_rank_runs": core_runs,
         "gateways": gateways,
         "executions_went_on_at_standby": at_standby,
         **killing,

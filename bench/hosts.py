@@ -31,6 +31,13 @@ joined, to the update), who trained which micro-batches, the satellite's weight 
 update's difference from the core's alone; and the bytes that crossed between
 the hosts for the remote satellite (the weights it read, its float64 gradient sum in the reduction).
 
+The core across hosts (`core`): two steps of the trainer (`python -m engines.train.run`, the product's
+trainer process) on that batch, with ZeRO 1, as one rank and as a DeepSpeed world of two ranks, the
+second (`python -m engines.train.peer`) on another host; every rank reads the policy, the batch and
+step 0's checkpoint (its own optimizer share) from S3. Per way: each step's time in the trainer (restore,
+the update, the checkpoint of every share, the publish), the optimizer state each rank holds, the
+update's difference from one rank's, and the bytes on the other host's link during the two steps.
+
 Weight delivery (`train.weight_delivery`): three new versions sent to two engines as
 `serve_version` sends them, the file to an engine on the core's host and the S3 URL to one on
 another host; each engine's load-and-swap call, timed.
@@ -71,10 +78,12 @@ from engines.admin import ENGINE_STATS, EXPORT_SESSION, IMPORT_SESSION, AdminCli
 from engines.model.build import save_model_folder
 from engines.model.config import ModelConfig
 from engines.model.weights import load_model, save_weights
-from engines.train.config import TrainerConfig
+from engines.net import free_port
+from engines.train.config import CoreWorld, TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.elastic_protocol import ElasticConfig
+from engines.train.run import TrainStepRequest
 from trajectory_store.processor import PackedBatch, batch_to_table
 
 DEFAULT_OUT = "bench/results/hosts.json"
@@ -394,6 +403,116 @@ def _train_across_hosts(size: dict[str, Any], pace_s: float) -> dict[str, Any]:
     return figures
 
 
+CORE_TRAINER = TrainerConfig(lr=1e-5, zero_stage=1)
+
+
+def core_across_hosts(size: dict[str, Any] = TRAIN_SIZE) -> dict[str, Any]:
+    """Two trainer steps as one rank, and as two ranks with the second on another host (see the
+    module's docstring)."""
+    from bench.cluster import link_bytes
+
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-hosts-core-") as tmp, hosts(["h1"]) as (h1,):
+        model_dir = f"{tmp}/tiny"
+        _, vocab = save_model_folder(ModelConfig(preset="tiny", seed=0), model_dir)
+        batch, _ = workload(f"{tmp}/data", vocab, size)
+        pq.write_table(batch_to_table(batch, 0), f"{tmp}/batch.parquet")
+        initial = load_model(model_dir, dtype="float32").state_dict()
+        with s3_server(root_address(h1)) as (bucket, _):
+            fs = s3fs.S3FileSystem()
+            fs.put(f"{model_dir}/", f"{bucket}/policy/start/", recursive=True)
+            fs.put_file(f"{tmp}/batch.parquet", f"{bucket}/batch.parquet")
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            rows, weights = {}, {}
+            for ranks in (1, 2):
+                before = link_bytes(h1)
+                steps = []
+                for step in (0, 1):
+                    request = _core_request(f"s3://{bucket}", f"{tmp}/fast-{ranks}", ranks, step, batch, h1)
+                    steps.append(_core_step(request, h1, env))
+                weights[ranks] = load_model(steps[-1]["checkpoint_url"] + "/hf", dtype="float32").state_dict()
+                rows[f"{ranks}_rank" + ("s" if ranks > 1 else "")] = {
+                    "step_s": [s["seconds"] for s in steps],
+                    "optimizer_state_bytes_by_rank": steps[-1]["optimizer_state_bytes_by_rank"],
+                    "other_host_link_bytes": link_bytes(h1) - before,
+                }
+    num = sum(float((weights[2][k] - weights[1][k]).double().pow(2).sum()) for k in weights[1])
+    den = sum(float((weights[1][k] - initial[k]).double().pow(2).sum()) for k in weights[1])
+    figures = {
+        "namespaces": h1.netns is not None,
+        "zero_stage": CORE_TRAINER.zero_stage,
+        "parameters": sum(t.numel() for t in initial.values()),
+        **rows,
+        "update_rel_diff_2_ranks_vs_1": float(f"{(num / den) ** 0.5:.3e}"),
+    }
+    for name, row in rows.items():
+        print(
+            f"core        {name:<8} steps {row['step_s']} s  optimizer state by rank "
+            f"{[round(b / 2**20, 2) for b in row['optimizer_state_bytes_by_rank']]} MiB  bytes on the other "
+            f"host's link {row['other_host_link_bytes'] / 2**20:.1f} MiB",
+            flush=True,
+        )
+    print(f"core        2 ranks' update vs 1 rank's: {figures['update_rel_diff_2_ranks_vs_1']}", flush=True)
+    return figures
+
+
+def _core_request(
+    root: str, fast: str, ranks: int, step: int, batch: PackedBatch, other: TestHost
+) -> TrainStepRequest:
+    os.makedirs(fast, exist_ok=True)
+    world = None
+    if ranks > 1:
+        world = CoreWorld(address=root_address(other), port=free_port(), size=ranks)
+    return TrainStepRequest(
+        step=step,
+        init_model=f"{root}/policy/start",
+        resume_from=None if step == 0 else f"{root}/core-{ranks}/ck{step - 1}",
+        batch_uri=f"{root}/batch.parquet",
+        n_executions=len(batch.advantages),
+        checkpoint_url=f"{root}/core-{ranks}/ck{step}",
+        policy_root=f"{root}/core-{ranks}",
+        fast_dir=fast,
+        trainer=CORE_TRAINER,
+        core=world,
+    )
+
+
+def _core_step(request: TrainStepRequest, other: TestHost, env: dict[str, str]) -> dict[str, Any]:
+    """The step's trainer (rank 0, here) and its other rank (on ``other``): rank 0's report with
+    every rank's optimizer state."""
+    processes = [[sys.executable, "-m", "engines.train.run"]]
+    if request.core is not None:
+        processes.append(
+            other.command(
+                [sys.executable, "-m", "engines.train.peer", "--rank", "1", "--address", other.address]
+            )
+        )
+    running = []
+    for argv in processes:
+        with tempfile.TemporaryFile("w+") as stdin:  # one each: a shared one shares its offset too
+            stdin.write(request.model_dump_json())
+            stdin.seek(0)
+            running.append(
+                subprocess.Popen(
+                    argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+                )
+            )
+    outputs = [process.communicate(timeout=600) for process in running]
+    failed = [
+        f"{p.args[-6:]} exited with {p.returncode}:\n{err[-2000:]}"
+        for p, (_, err) in zip(running, outputs, strict=True)
+        if p.returncode != 0
+    ]
+    if failed:
+        raise RuntimeError("\n".join(failed))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    trainer = reports[0]
+    return {
+        "seconds": round(trainer["seconds"], 3),
+        "checkpoint_url": trainer["checkpoint_url"],
+        "optimizer_state_bytes_by_rank": [r["optimizer_state_bytes"] for r in reports],
+    }
+
+
 CAMPAIGN_RUNS: dict[str, dict[str, Any]] = {
     "1_host": {"cells": [3]},
     "3_hosts": {"cells": [1, 1, 1]},
@@ -474,6 +593,7 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     sizes, rounds = (QUICK_SIZES, 1) if quick else (SIZES, ROUNDS)
     report: dict[str, Any] = {"quick": quick, "kv_migration": kv_migration(sizes, rounds)}
     report["train"] = train_across_hosts()
+    report["core"] = core_across_hosts()
     report["campaign"] = campaign_across_hosts(quick)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -493,6 +613,9 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     places = report["train"]["places"]
     if any(places[p]["update_rel_diff_vs_alone"] > 1e-4 for p in SATELLITE_PLACES[1:]):
         print("a step with a satellite made another update than the core alone", file=sys.stderr)
+        return 1
+    if report["core"]["update_rel_diff_2_ranks_vs_1"] > 1e-4:
+        print("the core of two ranks made another update than the core of one", file=sys.stderr)
         return 1
     campaign = report["campaign"]
     if campaign["executions_lost"] or campaign["trained_twice"]:

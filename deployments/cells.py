@@ -1,6 +1,7 @@
-"""The cell flow's deployment on every host of a ``[cluster]``: ``gyre-cell/<host>`` on the host's pool.
+"""The cell flow's deployment on every host of a ``[cluster]``: ``gyre-cell/<host>`` on the host's pool,
+and the core rank's, ``gyre-core-rank/<host>``, on the hosts of ``core_hosts``.
 
-    deploy_cells(cluster)     # the pools (process type) and one deployment per host
+    deploy_cells(cluster)     # the pools (process type) and the deployments of each host
 
 The deployments name the flow by its module path (``flows.cell.cell``), not by a file of this
 checkout: a host's worker imports it from the gyrerl installed where the worker runs (``pip install``
@@ -10,7 +11,7 @@ of the package or of a checkout, at any path). Nothing is read from the campaign
 from __future__ import annotations
 
 from deployments.deploy import ensure_pool
-from tasks.services.cluster import CELL_FLOW, ClusterConfig
+from tasks.services.cluster import CELL_FLOW, CORE_RANK_FLOW, ClusterConfig
 
 ENTRYPOINT = "flows.cell.cell"
 
@@ -19,23 +20,27 @@ def deploy_cells(cluster: ClusterConfig) -> dict[str, str]:
     """host name -> the id of its ``gyre-cell/<host>`` deployment (created or updated)."""
     from prefect.deployments.runner import EntrypointType
 
-    from flows.cell import cell
+    from flows.cell import cell, core_rank
 
-    if cell.name != CELL_FLOW:
-        raise RuntimeError(f"{ENTRYPOINT} is the flow {cell.name!r}, not {CELL_FLOW!r}")
+    if (cell.name, core_rank.name) != (CELL_FLOW, CORE_RANK_FLOW):
+        raise RuntimeError(f"flows.cell holds the flows {cell.name!r} and {core_rank.name!r}")
     ids = {}
     for host in cluster.hosts:
         ensure_pool(host.pool())
-        ids[host.name] = str(
-            cell.deploy(
+        flows = [(cell, "a cell of the campaign")]
+        if host.name in cluster.core_hosts:
+            flows.append((core_rank, "a rank of the campaign's core for one step"))
+        for flow, what in flows:
+            deployed = flow.deploy(
                 host.name,
                 work_pool_name=host.pool(),
-                description=f"a cell of the campaign on host {host.name} ({host.address})",
+                description=f"{what} on host {host.name} ({host.address})",
                 build=False,
                 push=False,
                 print_next_steps=False,
                 ignore_warnings=True,
                 entrypoint_type=EntrypointType.MODULE_PATH,
             )
-        )
+            if flow is cell:
+                ids[host.name] = str(deployed)
     return ids

@@ -79,7 +79,7 @@ def rl_step(
     request = step_request(
         step, services, config.policy, config.trainer, threads=threads, seed=config.seed, batch=batch
     )
-    report = train_step(request, cell=training.trainer)
+    report = train_step(request, cell=training.trainer, cluster=config.cluster)
     times = StepTimes(started=started, rolled_out=rolled, ended=time.time())
     return commit_step(store, report, batch.figures, times)
 

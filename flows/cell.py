@@ -1,4 +1,5 @@
-"""One cell of a campaign on its host: a long-lived flow run of the host's `gyre-cell` deployment.
+"""One cell of a campaign on its host: a long-lived flow run of the host's `gyre-cell` deployment;
+and one rank of the core for one step (`gyre-core-rank`), on a host of ``[cluster] core_hosts``.
 
 A host's process worker runs it (`gyre worker --pool gyre-<host>`); tasks/services/cluster.py
 (``CellFleet``) starts, watches and replaces these runs through the Prefect API, and says what a cell
@@ -16,6 +17,7 @@ from prefect.runtime import flow_run
 
 from tasks.services.cluster import TOKENS_BLOCK, run_ended, serve_cell
 from tasks.services.serving import ServingConfig
+from tasks.train import TrainStepRequest, run_core_rank
 
 
 @flow(name="gyre-cell", log_prints=True)
@@ -56,3 +58,17 @@ def cell(
         gpus=devices,
         more_gateways=more_gateways or (),
     )
+
+
+@flow(name="gyre-core-rank", log_prints=True)
+def core_rank(request: dict[str, Any], rank: int, address: str) -> dict[str, Any]:
+    """Rank ``rank`` of a step's core on this host (``address``: the host's address on the cluster
+    network), for that one step: the campaign's train task starts one per host of ``[cluster]
+    core_hosts`` beside its trainer, which is rank 0 (tasks/train.py). ``request``: the step's
+    TrainStepRequest as JSON."""
+    report = run_core_rank(TrainStepRequest.model_validate(request), rank, address)
+    print(
+        f"core rank {rank} made {report['updates']} updates of step {report['step'] - 1}, holding "
+        f"{report['optimizer_state_bytes']} bytes of optimizer state"
+    )
+    return report

@@ -27,11 +27,13 @@ from prefect import task
 from prefect.runtime import task_run
 
 from engines.devices import CellDevices, process_env
-from engines.train.config import LossConfig, TrainerConfig
+from engines.net import free_port
+from engines.train.config import CoreWorld, LossConfig, TrainerConfig
 from engines.train.run import TrainStepReport, TrainStepRequest
 from engines.train.stream import StreamProducer
 from tasks.campaign import BatchSummary
 from tasks.services.campaign import Services
+from tasks.services.cluster import ClusterConfig, cancel_core_ranks, start_core_ranks, wait_core_ranks
 
 if TYPE_CHECKING:
     from scheduler.controller import Chunk
@@ -88,32 +90,77 @@ def run_trainer_process(
 ) -> TrainStepReport:
     """Runs one step in a fresh process (on ``cell``'s devices); its log is in the error when it fails."""
     environment = {**trainer_env(request.threads, cell), **(env or {})}
+    line = _last_line(["engines.train.run"], request, environment, f"the trainer of step {request.step}")
+    return TrainStepReport.model_validate_json(line)
+
+
+def run_core_rank(request: TrainStepRequest, rank: int, address: str) -> dict[str, Any]:
+    """Rank ``rank`` of the request's core, on this host at ``address``, for the request's step
+    (``python -m engines.train.peer``); its report (updates made, optimizer state bytes held)."""
+    argv = ["engines.train.peer", "--rank", str(rank), "--address", address]
+    what = f"core rank {rank} of step {request.step}"
+    return json.loads(_last_line(argv, request, trainer_env(request.threads), what))
+
+
+def _last_line(module: list[str], request: TrainStepRequest, env: dict[str, str], what: str) -> str:
     with tempfile.TemporaryFile() as log:
         process = subprocess.run(
-            [sys.executable, "-m", "engines.train.run"],
+            [sys.executable, "-m", *module],
             input=request.model_dump_json().encode(),
             stdout=subprocess.PIPE,
             stderr=log,
-            env=environment,
+            env=env,
             check=False,
         )
         if process.returncode != 0:
             log.seek(0)
             tail = log.read().decode(errors="replace")[-3000:]
-            raise RuntimeError(
-                f"the trainer of step {request.step} exited with {process.returncode}:\n{tail}"
-            )
+            raise RuntimeError(f"{what} exited with {process.returncode}:\n{tail}")
     lines = process.stdout.decode().strip().splitlines()
     if not lines:
-        raise RuntimeError(f"the trainer of step {request.step} printed no report")
-    return TrainStepReport.model_validate_json(lines[-1])
+        raise RuntimeError(f"{what} printed no report")
+    return lines[-1]
+
+
+def core_request(request: TrainStepRequest, cluster: ClusterConfig) -> TrainStepRequest:
+    """``request`` for a core with a rank on each of ``cluster.core_hosts``: rank 0 (this machine) opens
+    the rendezvous on a fresh port of the gateway address, and every rank starts from the starting
+    policy's copy in object storage (a store on a local disk: the hosts share it)."""
+    root = request.policy_root.rstrip("/")
+    remote = "://" in root and not root.startswith("file://")
+    return request.model_copy(
+        update={
+            "core": CoreWorld(
+                address=cluster.gateway_address or "127.0.0.1",
+                port=free_port(),
+                size=1 + len(cluster.core_hosts),
+            ),
+            "init_model": f"{root}/policy/start" if remote else request.init_model,
+        }
+    )
 
 
 @task(name="train", task_run_name="train step {request.step}", retries=2, retry_delay_seconds=2)
 def train_step(
-    request: TrainStepRequest, env: dict[str, str] | None = None, cell: CellDevices | None = None
+    request: TrainStepRequest,
+    env: dict[str, str] | None = None,
+    cell: CellDevices | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> TrainStepReport:
-    report = run_trainer_process(request, env, cell)
+    """The step in a trainer process; with ``cluster.core_hosts``, that process is rank 0 of a core
+    whose other ranks run as flow runs on those hosts (each attempt starts its own)."""
+    if cluster is None or not cluster.core_hosts:
+        report = run_trainer_process(request, env, cell)
+    else:
+        request = core_request(request, cluster)
+        runs = start_core_ranks(cluster, request.model_dump(mode="json"), request.step)
+        try:
+            report = run_trainer_process(request, env, cell)
+        except BaseException:
+            cancel_core_ranks(runs)
+            raise
+        wait_core_ranks(runs)
+        report.metrics["core_ranks"] = float(request.core.size)
     report.metrics["train_attempts"] = float(task_run.run_count or 1)  # > 1: a trainer died, retried
     return report
 

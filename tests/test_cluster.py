@@ -96,16 +96,29 @@ def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_an
     executions go on from their recorded calls, and each execution and call is recorded once and
     trained once. The campaign has two gateways, and the second is SIGKILLed during step 0: its
     executions go on at their standby (the first), the campaign starts it again with the cells'
-    engines, and nothing it answered is lost."""
+    engines, and nothing it answered is lost. The core has a second rank on h2 every step (a flow run
+    of gyre-core-rank there, holding half the optimizer state)."""
     from bench.cluster import campaign_on_hosts
 
     # 5 missed 2 s heartbeats, not 3: on a loaded 2-core machine a live worker may beat late
     figures = campaign_on_hosts(
-        tmp_path, cells=[1, 1, 1], cut="h3", heartbeat_misses=5, gateways=2, kill_gateway=True
+        tmp_path,
+        cells=[1, 1, 1],
+        cut="h3",
+        heartbeat_misses=5,
+        gateways=2,
+        kill_gateway=True,
+        core_hosts=("h2",),
     )
     assert figures["gateway_calls_before_kill"] >= 1 and figures["gateway_serving_again_s"] > 0
     assert figures["executions_went_on_at_standby"] >= 1
     assert figures["steps"] == 2 and figures["executions_trained"] == [6, 6]
+    # every step's core was two ranks, the second a flow run on h2 that completed with the step
+    assert figures["core_ranks"] == [2, 2]
+    assert sorted(figures["core_rank_runs"].items()) == [
+        ("core-rank-1-step-0-on-h2", "COMPLETED"),
+        ("core-rank-1-step-1-on-h2", "COMPLETED"),
+    ]
     assert figures["executions"] == 12 and figures["executions_lost"] == 0
     assert figures["executions_recorded_twice"] == 0 and figures["calls_recorded_twice"] == 0
     assert figures["trained_twice"] == 0

@@ -413,3 +413,23 @@ def test_the_hosts_benchmark_trains_a_step_with_a_satellite_on_each_side_and_the
     delivery = figures["weight_delivery"]  # each engine answered with the version it was sent
     assert delivery["bytes"] == figures["bytes_between_hosts"]["weights"]
     assert all(len(times) == 3 and min(times) > 0 for times in delivery["rounds"].values())
+
+
+def test_the_hosts_benchmark_trains_with_a_core_rank_on_another_host_and_the_same_update():
+    """bench/hosts.py's core section at a small size: two trainer steps as one rank and as two, the
+    second rank on another host (a namespace) reading the policy, batch and its share of step 0's
+    checkpoint from S3 there; the two-rank update is the one-rank update, and each rank holds about
+    half of the optimizer state."""
+    from bench.hosts import core_across_hosts
+
+    size = {"max_context": 600, "max_turns": 6, "budget": 1024, "executions": 4}
+    figures = core_across_hosts(size)
+    assert figures["update_rel_diff_2_ranks_vs_1"] < 1e-5
+    (alone,), (first, second) = (
+        figures["1_rank"]["optimizer_state_bytes_by_rank"],
+        figures["2_ranks"]["optimizer_state_bytes_by_rank"],
+    )
+    assert 0.4 * alone <= first <= 0.6 * alone and 0.4 * alone <= second <= 0.6 * alone
+    assert len(figures["2_ranks"]["step_s"]) == 2
+    if figures["namespaces"]:  # the second rank's reads from S3 and the broadcasts crossed its link
+        assert figures["2_ranks"]["other_host_link_bytes"] > 4 * figures["parameters"]

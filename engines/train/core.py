@@ -12,6 +12,15 @@ accumulates into ``.grad``, never see them); in float32 at ZeRO stage 0 (the def
 those same parameters, so the trainer holds one full-precision copy of the policy. In bfloat16 the
 module is bf16 and DeepSpeed keeps the one fp32 master. ``python -m bench.train_memory`` counts them.
 
+A core of several ranks (``world``, a CoreWorld: [cluster] core_hosts puts ranks on other hosts) is
+one DeepSpeed world over torch.distributed (gloo on CPU, NCCL on GPUs). Rank 0 is this trainer: it
+computes the step's gradient sum as before and broadcasts it with each command (``apply``, a
+checkpoint, the end of the step); the other ranks (engines/train/peer.py, ``follow``) inject the same
+sum, so DeepSpeed's data-parallel mean is that sum, and every rank steps its share of the optimizer
+state (ZeRO 1-2) and gathers the updated weights. The update equals the one-rank core's (the clip's
+norm is summed over the shares, so it may differ in the last bits). Checkpoints are collective: every
+rank writes its optimizer share to the same checkpoint folder in object storage, and restores it.
+
 DeepSpeed on CPU JIT-compiles its deepspeed_shm_comm op with g++ on first initialize (tens of
 seconds, and it fails without a compiler); the core never uses that op, so it is switched off.
 """
@@ -22,6 +31,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import fsspec
@@ -30,7 +40,7 @@ import torch
 from engines.model.storage import TOKENIZER_FILE_PATTERNS, fetch_folder, is_model_file
 from engines.model.weights import save_weights
 from engines.net import free_port
-from engines.train.config import TrainerConfig
+from engines.train.config import CoreWorld, TrainerConfig
 from engines.train.worker import GradWorker
 
 _DISTRIBUTED_READY = False
@@ -44,32 +54,63 @@ def _deepspeed():
     return deepspeed
 
 
-def ensure_distributed() -> None:
-    """DeepSpeed needs a default process group: the core cell is its own one-process world."""
+def ensure_distributed(world: CoreWorld | None = None) -> None:
+    """DeepSpeed needs a default process group: the core cell's own world, of one process unless
+    ``world`` names several ranks (the process then joins it: rank 0 opens the rendezvous)."""
     global _DISTRIBUTED_READY
+    size = 1 if world is None else world.size
     if _DISTRIBUTED_READY or torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() != size:
+            raise RuntimeError(
+                f"this process is already in a DeepSpeed world of {torch.distributed.get_world_size()} "
+                f"ranks; a core of {size} needs a process of its own"
+            )
         _DISTRIBUTED_READY = True
         return
     deepspeed = _deepspeed()
     from deepspeed.accelerator import get_accelerator
 
-    # DeepSpeed's engine reads these variables itself (set by its launcher or torchrun otherwise)
-    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(name, value)
+    rank = 0 if world is None else world.rank
+    # DeepSpeed's engine reads these variables itself (set by its launcher or torchrun otherwise); every
+    # rank is the only one of the core on its host, or the host's cores are split by control groups
+    for name, value in (("LOCAL_RANK", "0"), ("RANK", str(rank)), ("WORLD_SIZE", str(size))):
+        os.environ[name] = value
     # the engine lives on DeepSpeed's accelerator: on CUDA its ZeRO collectives take GPU tensors, which
     # NCCL reduces in place (gloo would stage them through the host, and lacks some ops on GPU tensors);
     # on the CPU accelerator gloo (its own default, oneCCL, is not installed). Satellites reduce over
     # their own gloo groups (elastic.py), whatever this is.
     backend = "nccl" if get_accelerator().device_name() == "cuda" else "gloo"
+    if world is None:
+        init_method, timeout = f"tcp://127.0.0.1:{free_port()}", timedelta(minutes=10)
+    else:
+        # gloo binds to the interface of the host's hostname unless told: name the one holding this
+        # rank's address (a host's hostname may resolve to loopback, which other hosts cannot reach)
+        os.environ["GLOO_SOCKET_IFNAME"] = interface_of(world.local_address or world.address)
+        init_method, timeout = f"tcp://{world.address}:{world.port}", timedelta(seconds=world.timeout_s)
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=timeout,
         verbose=False,
     )
     _DISTRIBUTED_READY = True
+
+
+def interface_of(address: str) -> str:
+    """The name of this host's network interface that holds ``address``."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    raise ValueError(f"no network interface of this host holds {address} (a core rank binds to its address)")
+
+
+# a command from rank 0 to the others: [what, size of what follows, step, version]
+_APPLY, _NOT_A_VERSION, _SAVE, _STOP = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -95,9 +136,20 @@ class CoreTrainer:
     step       steps taken (a step is one optimizer update, or several: TrainerConfig.mini_batches/epochs)
     """
 
-    def __init__(self, model: torch.nn.Module, config: TrainerConfig, *, version: int = 0, step: int = 0):
-        ensure_distributed()
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: TrainerConfig,
+        *,
+        version: int = 0,
+        step: int = 0,
+        world: CoreWorld | None = None,
+    ):
+        ensure_distributed(world)
         self.config = config
+        self.world = world
+        self.rank = 0 if world is None else world.rank
+        self.ranks = 1 if world is None else world.size
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -142,6 +194,12 @@ class CoreTrainer:
         expected = sum(p.numel() for p in self.params)
         if grad.numel() != expected:
             raise ValueError(f"gradient has {grad.numel()} values, the model has {expected} parameters")
+        if self.world is not None:  # the other ranks make the same update with the same sum
+            self._command(_APPLY if new_version else _NOT_A_VERSION, grad.numel())
+            torch.distributed.broadcast(grad.detach().to(torch.float64).contiguous(), 0)
+        return self._apply(grad, new_version)
+
+    def _apply(self, grad: torch.Tensor, new_version: bool) -> float:
         surrogate = torch.zeros((), dtype=torch.float32)
         offset = 0
         for param in self.params:
@@ -158,26 +216,100 @@ class CoreTrainer:
             self.version += 1
         return self.last_grad_norm
 
+    # -- the other ranks of a core of several -------------------------------------------------
+    def _command(self, what: int, size: int = 0) -> None:
+        header = torch.tensor([what, size, self.step, self.version], dtype=torch.int64)
+        torch.distributed.broadcast(header, 0)
+
+    def follow(self) -> int:
+        """A rank above 0: makes every update, checkpoint and version rank 0 sends, until it ends the
+        step (or a collective times out: rank 0 died). Returns the updates made."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 leads; only the other ranks of a core follow")
+        updates = 0
+        while True:
+            header = torch.zeros(4, dtype=torch.int64)
+            torch.distributed.broadcast(header, 0)
+            what, size, self.step, self.version = (int(v) for v in header)
+            if what in (_APPLY, _NOT_A_VERSION):
+                grad = torch.empty(size, dtype=torch.float64)
+                torch.distributed.broadcast(grad, 0)
+                self._apply(grad, new_version=what == _APPLY)
+                updates += 1
+            elif what == _SAVE:
+                url = torch.empty(size, dtype=torch.uint8)
+                torch.distributed.broadcast(url, 0)
+                self.save_checkpoint(bytes(url.tolist()).decode())
+            elif what == _STOP:
+                return updates
+            else:
+                raise RuntimeError(f"rank 0 sent an unknown command {what}")
+
+    def close(self) -> None:
+        """Rank 0 of a core of several: the step is over, the other ranks exit."""
+        if self.world is not None and self.rank == 0:
+            self._command(_STOP)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (AdamW's moments, and ZeRO's float32 master share)."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        tensors = [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+        masters = getattr(self.optimizer, "single_partition_of_fp32_groups", [])
+        return sum(t.numel() * t.element_size() for t in [*tensors, *masters])
+
     # -- checkpoints and publishing -----------------------------------------------------------
     def save_checkpoint(self, url: str) -> str:
-        """HF-format weights + DeepSpeed optimizer state + trainer state; ``url`` may be remote."""
+        """HF-format weights + DeepSpeed optimizer state + trainer state; ``url`` may be remote. In a
+        core of several ranks every rank writes its optimizer share there (rank 0 tells them to), and
+        rank 0 returns once all have."""
+        if self.world is not None and self.rank == 0:
+            encoded = url.encode()
+            self._command(_SAVE, len(encoded))
+            torch.distributed.broadcast(torch.tensor(list(encoded), dtype=torch.uint8), 0)
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / "checkpoint"
             self.engine.save_checkpoint(str(local / "deepspeed"), tag=f"step{self.step}")
-            self.engine.module.save_pretrained(str(local / "hf"), safe_serialization=True)
-            (local / "trainer_state.json").write_text(
-                json.dumps({"step": self.step, "version": self.version, "config": self.config.model_dump()})
-            )
+            if self.rank == 0:
+                self.engine.module.save_pretrained(str(local / "hf"), safe_serialization=True)
+                (local / "trainer_state.json").write_text(
+                    json.dumps(
+                        {
+                            "step": self.step,
+                            "version": self.version,
+                            "ranks": self.ranks,
+                            "config": self.config.model_dump(),
+                        }
+                    )
+                )
             fs, root = fsspec.core.url_to_fs(url)
-            fs.put(str(local), root.rstrip("/"), recursive=True)
+            root = root.rstrip("/")
+            for path in sorted(p for p in local.rglob("*") if p.is_file()):  # ranks write other files
+                target = f"{root}/{path.relative_to(local).as_posix()}"
+                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                fs.put_file(str(path), target)
+        if self.world is not None:
+            torch.distributed.barrier()  # every share is in storage before the step can be committed
         return url
 
     def load_checkpoint(self, url: str) -> None:
         fs, root = fsspec.core.url_to_fs(url)
+        root = root.rstrip("/")
         with tempfile.TemporaryDirectory() as tmp:
-            fs.get(root.rstrip("/") + "/", tmp + "/", recursive=True)
+            for path in fs.find(root):  # every file but the other ranks' optimizer shares
+                name = path.rsplit("/", 1)[-1]
+                if name.startswith("zero_pp_rank_") and not name.startswith(f"zero_pp_rank_{self.rank}_"):
+                    continue
+                target = Path(tmp) / path[len(root) + 1 :]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(path, str(target))
             local = Path(tmp)
             state = json.loads((local / "trainer_state.json").read_text())
+            if state.get("ranks", 1) != self.ranks and self.config.zero_stage > 0:
+                raise ValueError(
+                    f"the checkpoint {url} holds ZeRO stage {self.config.zero_stage} optimizer shares of "
+                    f"{state.get('ranks', 1)} core ranks; this core has {self.ranks} (keep [cluster] "
+                    "core_hosts as the campaign started, or train with zero_stage 0)"
+                )
             self.engine.load_checkpoint(str(local / "deepspeed"), tag=f"step{state['step']}")
         self.step, self.version = state["step"], state["version"]
 

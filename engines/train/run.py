@@ -19,6 +19,7 @@ after both (tasks/commit.py), so a crash in between leaves an uncommitted step t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -35,7 +36,7 @@ from pydantic import BaseModel, Field
 
 from engines.devices import settings as devices
 from engines.model.weights import load_model
-from engines.train.config import TrainerConfig
+from engines.train.config import CoreWorld, TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.elastic_protocol import ElasticConfig
@@ -73,6 +74,12 @@ class TrainStepRequest(BaseModel):
         description="a streaming step's folder in object storage for satellites on other hosts (the step's "
         "weights, hand-off gradient sums); None: every satellite runs on the core's host",
     )
+    core: CoreWorld | None = Field(
+        None,
+        description="the core as a DeepSpeed world of several ranks: this process is rank 0, and each "
+        "other rank runs `python -m engines.train.peer` with this same request (one process per step, "
+        "like rank 0); None: a one-rank core",
+    )
 
 
 class TrainStepReport(BaseModel):
@@ -84,6 +91,7 @@ class TrainStepReport(BaseModel):
     policy_uri: str  # in object storage
     policy_path: str  # in-host copy, what engines hot-swap
     seconds: float
+    optimizer_state_bytes: int = 0  # what the trainer (rank 0 of a core of several) holds after the step
 
 
 def _rng_state() -> dict:
@@ -107,8 +115,10 @@ def _load_rng(url: str) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def restore(request: TrainStepRequest) -> CoreTrainer:
-    """The core at the start of ``request.step``: the starting policy, or the previous checkpoint."""
+def restore(request: TrainStepRequest, world: CoreWorld | None = None) -> CoreTrainer:
+    """The core at the start of ``request.step``: the starting policy, or the previous checkpoint;
+    ``world``: this process's rank of a core of several (``request.core`` is rank 0's)."""
+    world = world or request.core
     torch.set_num_threads(request.threads)
     if request.resume_from is None:
         if request.step != 0:
@@ -118,9 +128,9 @@ def restore(request: TrainStepRequest) -> CoreTrainer:
         random.seed(request.seed)
         np.random.seed(request.seed % 2**32)
         torch.manual_seed(request.seed)
-        return CoreTrainer(load_model(request.init_model, dtype="float32"), request.trainer)
+        return CoreTrainer(load_model(request.init_model, dtype="float32"), request.trainer, world=world)
     hf = request.resume_from.rstrip("/") + "/hf"
-    core = CoreTrainer(load_model(hf, dtype="float32"), request.trainer)
+    core = CoreTrainer(load_model(hf, dtype="float32"), request.trainer, world=world)
     core.load_checkpoint(request.resume_from)
     _load_rng(request.resume_from)
     return core
@@ -192,7 +202,9 @@ def step_updates(
 
 
 def train_step(request: TrainStepRequest) -> TrainStepReport:
-    return step_with(request, None)[0]
+    report, core = step_with(request, None)
+    core.close()  # the other ranks of a core of several exit
+    return report
 
 
 def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[TrainStepReport, CoreTrainer]:
@@ -201,11 +213,23 @@ def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[Trai
     started = time.perf_counter()
     if core is None or core.step != request.step:
         core = restore(request)
+    elif request.core is not None:
+        raise ValueError("a core of several ranks runs one process per step, not a serving trainer")
     if core.step != request.step or core.version != request.step:
         raise ValueError(
             f"the checkpoint {request.resume_from} is at step {core.step} (version {core.version}); "
             f"step {request.step} needs step {request.step} and version {request.step}"
         )
+    try:
+        return _step(request, core, started), core
+    except BaseException:
+        if request.core is not None:  # the other ranks exit now rather than at their timeout
+            with contextlib.suppress(Exception):
+                core.close()
+        raise
+
+
+def _step(request: TrainStepRequest, core: CoreTrainer, started: float) -> TrainStepReport:
     metrics: dict[str, float] = {}
     trained = bool(request.batch_uri and request.n_executions)
     if request.stream:
@@ -250,7 +274,8 @@ def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[Trai
         policy_uri=published.uri,
         policy_path=published.local_path,
         seconds=time.perf_counter() - started,
-    ), core
+        optimizer_state_bytes=core.optimizer_state_bytes(),
+    )
 
 
 def serve() -> int:
@@ -261,6 +286,8 @@ def serve() -> int:
         if not line.strip():
             continue
         request = TrainStepRequest.model_validate_json(line)
+        if request.core is not None:
+            raise ValueError("a core of several ranks runs one process per step (without --serve)")
         os.makedirs(request.fast_dir, exist_ok=True)
         report, core = step_with(request, core)
         print(json.dumps(report.model_dump()), flush=True)

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 CELL_FLOW = "gyre-cell"
 """The cell flow's name: its deployment on host h is ``gyre-cell/h``."""
+CORE_RANK_FLOW = "gyre-core-rank"
+"""The flow of a core rank above 0 for one step (flows/cell.py): its deployment on h is ``gyre-core-rank/h``."""
 TOKENS_BLOCK = "gyre-cell-tokens"
 """The Secret block with the gateway's and the engines' admin tokens, read by every cell."""
 
@@ -125,6 +127,12 @@ class ClusterConfig(BaseModel):
     max_restarts: NonNegativeInt = Field(
         3, description="times a cell whose run ended on a live host is started again before it is given up"
     )
+    core_hosts: list[str] = Field(
+        default_factory=list,
+        description="hosts that each hold one more rank of the core: the trainer (rank 0, on the campaign's "
+        "machine) and one process per host named here form one DeepSpeed world for every step, each with "
+        "its share of the optimizer state (trainer.zero_stage 1-2); [] = the core is one process",
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> ClusterConfig:
@@ -137,6 +145,11 @@ class ClusterConfig(BaseModel):
                 raise ValueError(
                     f"[cluster] hosts share a {what}: {', '.join(twice)} (each host needs its own)"
                 )
+        unknown = sorted(set(self.core_hosts) - {h.name for h in self.hosts})
+        if unknown:
+            raise ValueError(f"[cluster] core_hosts names no host called {', '.join(unknown)}")
+        if len(set(self.core_hosts)) != len(self.core_hosts):
+            raise ValueError("[cluster] core_hosts names a host twice (a host holds one rank of the core)")
         if not any(h.cells for h in self.hosts):
             raise ValueError("[cluster] places no cell: give at least one host cells >= 1")
         for h in self.hosts:
@@ -544,3 +557,62 @@ class CellFleet:
                 ):
                     return {cell_id: s.name if s else "?" for cell_id, s in states.items()}
                 time.sleep(0.5)
+
+
+def start_core_ranks(cluster: ClusterConfig, request: dict[str, Any], step: int) -> list[str]:
+    """A flow run of ``gyre-core-rank/<host>`` for each of ``cluster.core_hosts`` (ranks 1, 2, ... in
+    that order), each joining the core of ``request`` (a TrainStepRequest as JSON) for step ``step``;
+    their ids."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    runs = []
+    with get_client(sync_client=True) as client:
+        for rank, name in enumerate(cluster.core_hosts, start=1):
+            try:
+                deployment = client.read_deployment_by_name(f"{CORE_RANK_FLOW}/{name}")
+            except ObjectNotFound:
+                raise RuntimeError(
+                    f"core rank {rank}: the server has no deployment {CORE_RANK_FLOW}/{name}: register the "
+                    "cluster's deployments first (`gyre deploy --cells <campaign.toml>`)"
+                ) from None
+            run = client.create_flow_run_from_deployment(
+                deployment.id,
+                parameters={"request": request, "rank": rank, "address": cluster.host(name).address},
+                name=f"core-rank-{rank}-step-{step}-on-{name}",
+            )
+            runs.append(str(run.id))
+    return runs
+
+
+def wait_core_ranks(run_ids: Sequence[str], timeout_s: float = 120.0) -> None:
+    """Waits until the core ranks' flow runs have ended; raises RuntimeError naming any that did not
+    complete (rank 0 has its step by then: a rank that failed after it would have failed it too)."""
+    from prefect import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        for run_id in run_ids:
+            while True:
+                run = client.read_flow_run(run_id)
+                if run.state is not None and run.state.is_final():
+                    if not run.state.is_completed():
+                        raise RuntimeError(
+                            f"core rank {run.name} ended {run.state.name}: {run.state.message}"
+                        )
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"core rank {run.name} has not ended within {timeout_s:.0f} s")
+                time.sleep(0.5)
+
+
+def cancel_core_ranks(run_ids: Sequence[str]) -> None:
+    """Cancels the core ranks' runs that have not ended (rank 0 failed: a retry starts new ones)."""
+    from prefect import get_client
+    from prefect.states import Cancelling
+
+    with get_client(sync_client=True) as client:
+        for run_id in run_ids:
+            with contextlib.suppress(Exception):
+                if not client.read_flow_run(run_id).state.is_final():
+                    client.set_flow_run_state(run_id, Cancelling(message="rank 0 of the core failed"))
