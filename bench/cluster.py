@@ -42,6 +42,7 @@ from deployments.cells import deploy_cells
 from deployments.deploy import ROOT, worker_command
 from engines.admin import AdminClient
 from environments.gateways import STANDBY_CALL_BASE
+from sim.calibrate import Execution, MeasuredRun
 
 STEPS = 2
 PER_STEP = 3  # problems a step, each a group of 2: 6 executions a step
@@ -184,6 +185,7 @@ def campaign_on_hosts(
             "SELECT count(*) FROM executions e WHERE n_calls > "
             "(SELECT count(*) FROM calls c WHERE c.execution_id = e.execution_id)"
         ).fetchall()[0][0]
+        measured = measured_run(con, records, 2, sessions_per_cell=-(-2 * PER_STEP // sum(cells)))
         at_standby = con.sql(
             f"SELECT count(DISTINCT execution_id) FROM calls WHERE call_id >= {STANDBY_CALL_BASE}"
         ).fetchall()[0][0]
@@ -236,12 +238,56 @@ def campaign_on_hosts(
         "bytes_between_hosts_per_step": round(sum(link.values()) / max(len(records), 1)),
         "cell_runs": cell_runs,
         "core_ranks": [int(r.metrics.get("core_ranks", 1)) for r in records],
+        "measured": measured,
         "core_rank_runs": core_runs,
         "gateways": gateways,
         "executions_went_on_at_standby": at_standby,
         **killing,
         **cutting,
     }
+
+
+def measured_run(con, records: list, group_size: int, sessions_per_cell: int) -> MeasuredRun:
+    """The campaign's steps as the simulator's calibration reads a real run (sim/calibrate.py): each
+    execution's calls, tokens, call and wall time from the store, and each step's time after its
+    roll-out. Its switches are left at 0: what a step spends serving its version (the weights pulled
+    over the hosts' links) is inside its roll-out; `bench/hosts.py` names it."""
+    rows = con.sql(
+        """
+        SELECT e.step, e.execution_id, e.group_id, e.reward, e.ended_at - e.started_at,
+               list(c.output_len ORDER BY c.call_id), list(c.prompt_len ORDER BY c.call_id),
+               coalesce(sum(c.t_end - c.t_start), 0), coalesce(sum(c.prompt_len + c.output_len - c.prefix_len), 0)
+        FROM executions e LEFT JOIN calls c USING (execution_id)
+        WHERE e.status <> 'abandoned'
+        GROUP BY ALL ORDER BY e.step, e.group_id, e.execution_id
+        """
+    ).fetchall()
+    rewards: dict[tuple[int, str], set[float]] = {}
+    for step, _, group, reward, *_ in rows:
+        rewards.setdefault((step, group), set()).add(round(reward or 0.0, 6))
+    steps: list[list[Execution]] = [[] for _ in records]
+    for step, _, group, _, wall, outputs, prompts, call_s, unique in rows:
+        outputs = [o for o in outputs if o is not None]
+        steps[step].append(
+            Execution(
+                calls=len(outputs),
+                output_tokens=outputs,
+                context_tokens=[p for p in prompts if p is not None],
+                call_s=float(call_s),
+                wall_s=float(wall),
+                trained_tokens=float(unique) if len(rewards[(step, group)]) > 1 else 0.0,
+            )
+        )
+    return MeasuredRun(
+        policy="colocate",
+        group_size=group_size,
+        executions=steps,
+        makespan_s=sum(r.metrics["step_s"] for r in records),
+        post_rollout_s=[r.metrics["train_s"] for r in records],
+        to_train_s=0.0,
+        to_rollout_s=0.0,
+        sessions_per_cell=sessions_per_cell,
+    )
 
 
 def _kill_gateway_during_step_0(config, thread: threading.Thread, result: dict) -> dict[str, Any]:

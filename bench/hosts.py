@@ -49,12 +49,16 @@ times, the bytes that crossed the hosts' links per step (their interface counter
 was found lost and its cell served again elsewhere, and executions lost, recorded twice or trained
 twice (goal 0).
 
-Not measured: the simulator's prediction for the same topology (sim/ has no hosts yet).
+The simulator beside it (`campaign.sim_prediction`, not with --quick): calibrated on the 1-host run
+(sim/calibrate.py fits its decode latency so that it reproduces that run's steps), it predicts the
+3-host run's steps from that run's executions, the weights reaching each host's cells over its own
+link (sim/calibrate.py `on_hosts`), at the rate the weight delivery measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -84,6 +88,8 @@ from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.elastic_protocol import ElasticConfig
 from engines.train.run import TrainStepRequest
+from scheduler.policy import make_policy
+from sim.calibrate import MeasuredRun, calibrate, link_pull_s, on_hosts, predict
 from trajectory_store.processor import PackedBatch, batch_to_table
 
 DEFAULT_OUT = "bench/results/hosts.json"
@@ -524,13 +530,14 @@ same with h3 cut off during step 1, and with two gateways, one SIGKILLed during 
 last two)."""
 
 
-def campaign_across_hosts(quick: bool = False) -> dict[str, Any]:
+def campaign_across_hosts(quick: bool = False, delivery: dict[str, Any] | None = None) -> dict[str, Any]:
     """The campaign of bench/cluster.py on 1 host and on 3 (the same three cells, the same two cores),
     and on 3 with one cut off mid-step: step times, bytes on the hosts' links, recovery, and what was
-    lost or counted twice."""
+    lost or counted twice; with ``delivery`` (train.weight_delivery's figures), the simulator's
+    prediction of the 3-host steps beside their measurement (`sim_prediction`)."""
     from bench.cluster import campaign_on_hosts
 
-    runs = {}
+    runs, measured = {}, {}
     for name, run in CAMPAIGN_RUNS.items():
         cut = run.get("cut")
         if quick and cut is None and not run.get("kill_gateway"):
@@ -538,6 +545,7 @@ def campaign_across_hosts(quick: bool = False) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix=f"gyre-bench-hosts-{name}-") as tmp:
             row = campaign_on_hosts(Path(tmp), **run)
         row.pop("cell_runs")
+        measured[name] = row.pop("measured")
         runs[name] = row
         print(
             f"campaign    {name:<15} steps {row['step_s']} s  bytes on host links a step "
@@ -585,6 +593,43 @@ def campaign_across_hosts(quick: bool = False) -> dict[str, Any]:
         figures["step_s_1_host"] = runs["1_host"]["step_s_mean"]
         figures["step_s_3_hosts"] = runs["3_hosts"]["step_s_mean"]
         figures["bytes_between_hosts_per_step"] = runs["3_hosts"]["bytes_between_hosts_per_step"]
+        if delivery is not None:
+            figures["sim_prediction"] = sim_prediction(measured["1_host"], measured["3_hosts"], delivery)
+    return figures
+
+
+def sim_prediction(one: MeasuredRun, three: MeasuredRun, delivery: dict[str, Any]) -> dict[str, Any]:
+    """The simulator calibrated on the 1-host run (sim/calibrate.py: its decode latency fitted so that
+    it reproduces that run's steps) predicting the 3-host run's steps from their executions: the same
+    three cells on the same cores, the weights reaching each host's cells over its one link (at the
+    rate one delivery to an engine on another host measured: its read from S3, load and swap)."""
+    cells = sum(CAMPAIGN_RUNS["1_host"]["cells"])
+    weight_bytes, rate = delivery["bytes"], delivery["bytes"] / delivery["other_host_s"]
+    one = dataclasses.replace(one, to_rollout_s=link_pull_s(cells, 1, weight_bytes, rate))
+    three = dataclasses.replace(three, to_rollout_s=link_pull_s(cells, 3, weight_bytes, rate))
+    machine = calibrate(one, make_policy("colocate"), cells, one.sessions_per_cell)
+    steps = len(three.executions)
+    predicted = (
+        predict(on_hosts(machine, 3, 1, weight_bytes, rate), three, make_policy("colocate"), 1) / steps
+    )
+    fitted = predict(machine, one, make_policy("colocate"), 1) / len(one.executions)
+    measured = three.makespan_s / steps
+    figures = {
+        "calibrated_on": "1_host",
+        "link_bytes_per_s": round(rate),
+        "weight_pull_s": {"1_host": round(one.to_rollout_s, 3), "3_hosts": round(three.to_rollout_s, 3)},
+        "step_s_1_host_fitted": round(fitted, 2),
+        "step_s_1_host_measured": round(one.makespan_s / len(one.executions), 2),
+        "step_s_3_hosts_predicted": round(predicted, 2),
+        "step_s_3_hosts_measured": round(measured, 2),
+        "error": round(abs(predicted - measured) / measured, 4),
+    }
+    print(
+        f"sim         3 hosts predicted {predicted:6.2f} s a step  measured {measured:6.2f} s  error "
+        f"{figures['error']:.1%}  (calibrated on 1 host: fitted {fitted:.2f} s, measured "
+        f"{figures['step_s_1_host_measured']:.2f} s)",
+        flush=True,
+    )
     return figures
 
 
@@ -594,7 +639,7 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     report: dict[str, Any] = {"quick": quick, "kv_migration": kv_migration(sizes, rounds)}
     report["train"] = train_across_hosts()
     report["core"] = core_across_hosts()
-    report["campaign"] = campaign_across_hosts(quick)
+    report["campaign"] = campaign_across_hosts(quick, report["train"]["weight_delivery"])
     report["wall_s"] = round(time.perf_counter() - started, 1)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1) + "\n")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -242,3 +243,23 @@ def calibrate(
 def predict(base: Preset, run: MeasuredRun, policy: Policy, depth: int) -> float:
     """The simulated makespan of `run`'s executions under `policy` on the calibrated machine."""
     return simulate(preset_for(base, run), policy, run.policy, depth, measured_workload(run)).makespan_s
+
+
+def link_pull_s(cells: int, hosts: int, weight_bytes: float, link_bytes_per_s: float) -> float:
+    """Seconds until every cell has a new version when ``cells`` cells are spread evenly over ``hosts``
+    hosts and each host's cells pull the weights over its one link (the busiest link's pulls)."""
+    return math.ceil(cells / hosts) * weight_bytes / link_bytes_per_s
+
+
+def on_hosts(
+    machine: Preset, hosts: int, calibrated_hosts: int, weight_bytes: float, link_bytes_per_s: float
+) -> Preset:
+    """``machine``, calibrated with its cells on ``calibrated_hosts`` hosts, with them on ``hosts``:
+    the same cells and cores (hosts of the same total budget), and the switch to rollout changed by
+    what the busiest link's weight pulls take there instead. (Calls, answers and KV cross the links
+    too, at rates far below a link's; the simulator leaves them out.)"""
+    cells = machine.cluster.cells
+    delta = link_pull_s(cells, hosts, weight_bytes, link_bytes_per_s) - link_pull_s(
+        cells, calibrated_hosts, weight_bytes, link_bytes_per_s
+    )
+    return dataclasses.replace(machine, to_rollout_s=max(0.0, machine.to_rollout_s + delta))

@@ -1,0 +1,63 @@
+"""The simulator's prediction for a campaign's cells spread over hosts (sim/calibrate.py `on_hosts`,
+bench/hosts.py `sim_prediction`): calibrated on a run on one host, it predicts the same executions on
+three hosts of the same cores, where each host's link carries a third of the weight pulls."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench.hosts import sim_prediction
+from scheduler.policy import make_policy
+from sim.calibrate import Execution, MeasuredRun, calibrate, link_pull_s, on_hosts
+
+
+def _run(makespan_s: float) -> MeasuredRun:
+    executions = [
+        [
+            Execution(
+                calls=4,
+                output_tokens=[20 + e, 18, 22, 19],
+                context_tokens=[300, 340, 380, 420],
+                call_s=6.0 + e,
+                wall_s=9.0 + e,
+                trained_tokens=80.0 if e % 3 else 0.0,
+            )
+            for e in range(6)
+        ]
+        for _ in range(2)
+    ]
+    return MeasuredRun(
+        policy="colocate",
+        group_size=2,
+        executions=executions,
+        makespan_s=makespan_s,
+        post_rollout_s=[7.5, 8.5],
+        to_train_s=0.0,
+        to_rollout_s=0.0,
+        sessions_per_cell=2,
+    )
+
+
+def test_the_busiest_link_sets_the_weight_pull_and_the_machine_keeps_its_cells():
+    assert link_pull_s(3, 1, 16e6, 8e7) == pytest.approx(0.6)  # three pulls over one link
+    assert link_pull_s(3, 3, 16e6, 8e7) == pytest.approx(0.2)
+    assert link_pull_s(4, 3, 16e6, 8e7) == pytest.approx(0.4)  # one host holds two cells
+    run = dataclasses.replace(_run(40.0), to_rollout_s=0.6)
+    machine = calibrate(run, make_policy("colocate"), 3, 2)
+    spread = on_hosts(machine, 3, 1, 16e6, 8e7)
+    assert spread.to_rollout_s == pytest.approx(machine.to_rollout_s - 0.4)
+    assert spread.cluster == machine.cluster and spread.engine == machine.engine
+
+
+def test_the_prediction_for_three_hosts_reproduces_the_calibration_and_saves_only_the_link_time():
+    one = _run(40.0)
+    figures = sim_prediction(one, one, {"bytes": 16e6, "other_host_s": 0.2})
+    assert figures["weight_pull_s"] == {"1_host": 0.6, "3_hosts": 0.2}
+    # the calibration reproduces its run; the same executions on three hosts take at most the link
+    # time it saves per step less, and no more
+    assert figures["step_s_1_host_fitted"] == pytest.approx(figures["step_s_1_host_measured"], rel=0.02)
+    saved = figures["step_s_1_host_fitted"] - figures["step_s_3_hosts_predicted"]
+    assert -0.05 <= saved <= 0.4 + 0.05
+    assert figures["error"] < 0.03
