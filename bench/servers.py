@@ -50,6 +50,12 @@ def prefect_server(home: Path, host: str = "127.0.0.1") -> Iterator[tuple[str, d
         try:
             yield url, {**env, "PREFECT_API_URL": url}
         finally:
+            # this process's events still queued for the server (task and flow run states) go now:
+            # left for the interpreter's exit, they wait on a server that is gone
+            from prefect.events.worker import EventsWorker
+
+            with contextlib.suppress(Exception):
+                EventsWorker.drain_all(timeout=30, at_exit=False)
             server.terminate()
             server.wait(timeout=30)
 

@@ -1,5 +1,5 @@
 """The cell flow's deployment on every host of a ``[cluster]``: ``gyre-cell/<host>`` on the host's pool,
-and the core rank's, ``gyre-core-rank/<host>``, on the hosts of ``core_hosts``.
+and, when the core has ranks on hosts (``core_hosts``), the core rank's, ``gyre-core-rank/<host>``.
 
     deploy_cells(cluster)     # the pools (process type) and the deployments of each host
 
@@ -28,7 +28,7 @@ def deploy_cells(cluster: ClusterConfig) -> dict[str, str]:
     for host in cluster.hosts:
         ensure_pool(host.pool())
         flows = [(cell, "a cell of the campaign")]
-        if host.name in cluster.core_hosts:
+        if cluster.core_hosts:  # on every host: a lost host's rank runs on another
             flows.append((core_rank, "a rank of the campaign's core for one step"))
         for flow, what in flows:
             deployed = flow.deploy(

@@ -32,7 +32,7 @@ from engines.train.config import CoreWorld, LossConfig, TrainerConfig
 from engines.train.run import TrainStepReport, TrainStepRequest
 from engines.train.stream import StreamProducer
 from tasks.campaign import BatchSummary
-from tasks.services.campaign import Services
+from tasks.services.campaign import Services, running_fleets
 from tasks.services.cluster import ClusterConfig, cancel_core_ranks, start_core_ranks, wait_core_ranks
 
 if TYPE_CHECKING:
@@ -153,7 +153,9 @@ def train_step(
         report = run_trainer_process(request, env, cell)
     else:
         request = core_request(request, cluster)
-        runs = start_core_ranks(cluster, request.model_dump(mode="json"), request.step)
+        # the hosts the campaign's cell fleet has found lost (this process runs it): their ranks move
+        lost = set().union(*(fleet.lost for fleet in running_fleets() if fleet.cluster == cluster))
+        runs = start_core_ranks(cluster, request.model_dump(mode="json"), request.step, lost)
         try:
             report = run_trainer_process(request, env, cell)
         except BaseException:

@@ -99,6 +99,14 @@ def ensure_distributed(world: CoreWorld | None = None) -> None:
     _DISTRIBUTED_READY = True
 
 
+def _leave_world() -> None:
+    """Ends this process's part in a core of several: its process group is destroyed now, not by the
+    interpreter's exit (where gloo's threads may abort the process)."""
+    global _DISTRIBUTED_READY
+    torch.distributed.destroy_process_group()
+    _DISTRIBUTED_READY = False
+
+
 def interface_of(address: str) -> str:
     """The name of this host's network interface that holds ``address``."""
     import psutil
@@ -241,6 +249,7 @@ class CoreTrainer:
                 torch.distributed.broadcast(url, 0)
                 self.save_checkpoint(bytes(url.tolist()).decode())
             elif what == _STOP:
+                _leave_world()
                 return updates
             else:
                 raise RuntimeError(f"rank 0 sent an unknown command {what}")
@@ -249,6 +258,7 @@ class CoreTrainer:
         """Rank 0 of a core of several: the step is over, the other ranks exit."""
         if self.world is not None and self.rank == 0:
             self._command(_STOP)
+            _leave_world()
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (AdamW's moments, and ZeRO's float32 master share)."""

@@ -37,7 +37,8 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -131,7 +132,8 @@ class ClusterConfig(BaseModel):
         default_factory=list,
         description="hosts that each hold one more rank of the core: the trainer (rank 0, on the campaign's "
         "machine) and one process per host named here form one DeepSpeed world for every step, each with "
-        "its share of the optimizer state (trainer.zero_stage 1-2); [] = the core is one process",
+        "its share of the optimizer state (trainer.zero_stage 1-2); a lost host's rank runs on a live host "
+        "([] = the core is one process)",
     )
 
     @model_validator(mode="after")
@@ -161,6 +163,22 @@ class ClusterConfig(BaseModel):
 
     def host(self, name: str) -> HostSpec:
         return next(h for h in self.hosts if h.name == name)
+
+    def core_rank_hosts(self, lost: Collection[str] = ()) -> list[str]:
+        """The host of each core rank above 0 (rank r on ``core_hosts[r - 1]``). A rank whose host is
+        ``lost`` runs on the live host holding the fewest ranks: what it restores (the policy, its
+        optimizer share of the last checkpoint) is in object storage, not on its host."""
+        live = [h.name for h in self.hosts if h.name not in lost]
+        if not live:
+            raise RuntimeError("every host of [cluster] is lost: no host is left for the core's ranks")
+        held = Counter(h for h in self.core_hosts if h not in lost)
+        placed = []
+        for name in self.core_hosts:
+            if name in lost:
+                name = min(live, key=lambda n: (held[n], live.index(n)))
+                held[name] += 1
+            placed.append(name)
+        return placed
 
     def placement(self) -> list[tuple[str, str]]:
         """(cell id, host name) of every cell at the start: cell-0, cell-1, ... in the hosts' order."""
@@ -559,16 +577,18 @@ class CellFleet:
                 time.sleep(0.5)
 
 
-def start_core_ranks(cluster: ClusterConfig, request: dict[str, Any], step: int) -> list[str]:
-    """A flow run of ``gyre-core-rank/<host>`` for each of ``cluster.core_hosts`` (ranks 1, 2, ... in
-    that order), each joining the core of ``request`` (a TrainStepRequest as JSON) for step ``step``;
-    their ids."""
+def start_core_ranks(
+    cluster: ClusterConfig, request: dict[str, Any], step: int, lost: Collection[str] = ()
+) -> list[str]:
+    """A flow run of ``gyre-core-rank/<host>`` for each core rank above 0, on its host of
+    ``cluster.core_rank_hosts(lost)``, each joining the core of ``request`` (a TrainStepRequest as
+    JSON) for step ``step``; their ids."""
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
     runs = []
     with get_client(sync_client=True) as client:
-        for rank, name in enumerate(cluster.core_hosts, start=1):
+        for rank, name in enumerate(cluster.core_rank_hosts(lost), start=1):
             try:
                 deployment = client.read_deployment_by_name(f"{CORE_RANK_FLOW}/{name}")
             except ObjectNotFound:
