@@ -133,17 +133,31 @@ def finish(process: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> int:
             os.killpg(process.pid, signal.SIGKILL)  # what it left in its session (an orphan harness)
 
 
-def pids_running(marker: bytes, *also: bytes) -> list[int]:
-    """Processes whose command line holds ``marker`` and every one of ``also``."""
+def pids_running(marker: bytes, *also: bytes, under: int | None = None) -> list[int]:
+    """Processes whose command line holds ``marker`` and every one of ``also``; with ``under``, only
+    descendants of that process (not another campaign's, or a developer's, on the same machine)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError):
             argv = (entry / "cmdline").read_bytes()
-            if marker in argv and all(a in argv for a in also):
+            mine = under is None or under in _ancestors(int(entry.name))
+            if marker in argv and all(a in argv for a in also) and mine:
                 pids.append(int(entry.name))
     return pids
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+        chain.append(pid)
+    return chain
 
 
 def service_pid(data_root: str, name: str) -> int:
@@ -346,8 +360,8 @@ def rows(root: Path, policy: str, quick: bool) -> list[tuple[str, Callable[[], t
     def restarted(detail) -> bool:
         return (detail["scheduler_restarts"] or 0) >= 1
 
-    def trainer(_run) -> int:
-        return pids_running(b"engines.train.run")[0]
+    def trainer(run) -> int:
+        return pids_running(b"engines.train.run", under=run.pid)[0]
 
     def core(_run) -> int:
         return pids_running(b"engines.train.run", b"--serve")[0]

@@ -84,7 +84,7 @@ def test_a_campaign_lives_through_its_processes_killed(tmp_path):
 
     kills = [
         (mid_rollout(0), lambda run: service_pid(data, "prefect")),
-        (mid_train(0), lambda run: pids_running(b"engines.train.run")[0]),
+        (mid_train(0), lambda run: pids_running(b"engines.train.run", under=run.pid)[0]),
         (mid_rollout(1), engine),
         (mid_rollout(2), lambda run: service_pid(data, "gateway")),
         # the roll-out task's retry runs the members the gateway's death cut short as new attempts
