@@ -7,6 +7,7 @@ cell's fence, and the CLI."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -362,3 +363,67 @@ def test_a_host_whose_worker_is_silent_but_whose_engines_answer_is_not_lost(pref
             assert (moved.cell_id, moved.lost_host, moved.host) == ("cell-0", quiet, beating)
             assert client.read_flow_run(run.id).state.type.value == "CRASHED"
             assert {e.engine_id: e.state for e in admin.gateway_stats().engines} == {"cell-0": "dead"}
+
+
+def test_a_cell_joins_its_gateway_again_once_the_gateway_was_started_again(tmp_path):
+    """One gateway (no sibling to copy the engines from): SIGKILLed and started again on its port, it
+    knows no engine; the cell's loop sees its engine missing there and adds it again. An engine listed
+    as dead (declared so by the fleet) is left alone."""
+    import threading
+
+    from tasks.services.cluster import rejoin, serve_cell
+    from tasks.services.serving import ServingConfig
+    from tasks.services.stack import local_stack
+    from trajectory_store.storage import StoreConfig
+
+    stop = threading.Event()
+    with local_stack(
+        "data/policies/tiny-sft", StoreConfig(data_root=str(tmp_path / "data")), engines=0
+    ) as stack:
+        url = stack.gateway_url
+        result: dict = {}
+
+        def cell() -> None:
+            try:
+                result["ended"] = serve_cell(
+                    "cell-0",
+                    "h1",
+                    "127.0.0.1",
+                    "data/policies/tiny-sft",
+                    url,
+                    ServingConfig(engine_threads=1),
+                    stack.admin_token,
+                    stack.engine_admin_token,
+                    should_stop=lambda: "stopped by the test" if stop.is_set() else None,
+                    poll_s=0.5,
+                )
+            except BaseException as exc:  # reported below
+                result["error"] = exc
+
+        thread = threading.Thread(target=cell, daemon=True)
+        thread.start()
+        with AdminClient(url, stack.admin_token, stack.engine_admin_token) as admin:
+
+            def engines() -> dict[str, str]:
+                return {e.engine_id: e.state for e in admin.gateway_stats().engines}
+
+            deadline = time.monotonic() + 120
+            while "cell-0" not in engines():
+                assert thread.is_alive() and time.monotonic() < deadline, result
+                time.sleep(0.2)
+            stack.processes[url].kill()
+            stack.processes[url].wait()
+            stack.restart(url)
+            assert "cell-0" not in engines()  # the new process starts with no engine
+            deadline = time.monotonic() + 30
+            while engines().get("cell-0") != "active":
+                assert thread.is_alive() and time.monotonic() < deadline, result
+                time.sleep(0.2)
+            admin.declare_dead("cell-0", "declared dead by the test")
+            assert not rejoin(
+                url, "http://127.0.0.1:9", "cell-0", "h1", stack.admin_token, stack.engine_admin_token
+            )
+            assert engines()["cell-0"] == "dead"
+        stop.set()
+        thread.join(60)
+    assert result.get("ended", {}).get("stopped") == "stopped by the test", result

@@ -168,13 +168,12 @@ def cluster_stack(
                     target=fleet.watch, args=(admin, stop), name="cell-fleet", daemon=True
                 )
                 watch.start()
-                if stack.gateway_urls:
-                    threading.Thread(
-                        target=_revive_gateways,
-                        args=(stack, cluster.watch_interval_s, stop),
-                        name="gateways",
-                        daemon=True,
-                    ).start()
+                threading.Thread(
+                    target=_revive_gateways,
+                    args=(stack, cluster.watch_interval_s, stop),
+                    name="gateways",
+                    daemon=True,
+                ).start()
                 yield stack, [urls[cell_id] for cell_id, _ in cluster.placement()]
             finally:
                 stop.set()
@@ -185,9 +184,10 @@ def cluster_stack(
 
 def _revive_gateways(stack: LocalStack, interval_s: float, stop: threading.Event) -> None:
     """Starts a campaign's gateway again once its process died (it writes its spool's calls before it
-    serves, environments/gateways.py) and gives it the cells a live gateway serves with."""
+    serves, environments/gateways.py) and gives it the cells a live gateway serves with; with no live
+    sibling (one gateway), each cell joins it again itself (`serve_cell`)."""
     while not stop.wait(interval_s):
-        for url in stack.gateway_urls:
+        for url in stack.gateway_urls or [stack.gateway_url]:
             process = stack.processes.get(url)
             if process is None or process.poll() is None or stop.is_set():
                 continue
@@ -213,8 +213,9 @@ def revive_engines(stack: LocalStack, url: str) -> list[str]:
             continue
         with AdminClient(url, stack.admin_token, stack.engine_admin_token) as admin:
             for engine in engines:
-                admin.add_engine(engine.url, engine_id=engine.engine_id, host=engine.host)
-                added.append(engine.engine_id)
+                with contextlib.suppress(AdminError):  # its cell joined it again first (serve_cell)
+                    admin.add_engine(engine.url, engine_id=engine.engine_id, host=engine.host)
+                    added.append(engine.engine_id)
         break
     return added
 

@@ -275,7 +275,26 @@ def serve_cell(
             if reason is not None:
                 print(f"cell {cell_id} on {host}: stopping ({reason})")
                 return {"cell_id": cell_id, "host": host, "url": url, "stopped": reason}
+            for gateway in (gateway_url, *more_gateways):
+                rejoin(gateway, url, cell_id, host, admin_token, engine_admin_token)
             time.sleep(poll_s)
+
+
+def rejoin(
+    gateway: str, url: str, cell_id: str, host: str, admin_token: str, engine_admin_token: str
+) -> bool:
+    """Adds the cell's engine to ``gateway`` again if the gateway answers without it: a gateway started
+    again after its process died knows no engine. (Listed under its id, even as dead, it is left
+    alone: the cell fleet moved it, or declared it dead.) Whether it was added."""
+    try:
+        with AdminClient(gateway, admin_token, engine_admin_token, timeout_s=5) as admin:
+            if any(e.engine_id == cell_id for e in admin.gateway_stats().engines):
+                return False
+            admin.add_engine(url, engine_id=cell_id, host=host)
+    except (AdminError, httpx.HTTPError):  # not up yet, or cut off: the next round tries again
+        return False
+    print(f"cell {cell_id} on {host}: joined gateway {gateway} again (it had started again without it)")
+    return True
 
 
 def local_policy(policy: str, cache: str | None = None) -> str:
