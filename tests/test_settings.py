@@ -250,3 +250,13 @@ def test_the_servers_keep_an_idle_connection_longer_than_a_client_does(tiny_mode
         with ThreadPoolExecutor(len(urls)) as pool:
             answers = list(pool.map(lambda url: _reuse_after_idle(url, client_keep_alive + 1.5), urls))
     assert answers == [200] * len(urls)
+
+
+def test_a_dead_servers_log_tail_keeps_its_error_and_drops_nanobinds_leak_lines():
+    from tasks.services.stack import log_tail
+
+    leaks = "nanobind: leaked 4 instances!\n" + "".join(f' - leaked function "f{i}"\n' for i in range(300))
+    text = "Traceback ...\nOSError: [Errno 98] Address already in use\nINFO:     Shutting down\n" + leaks
+    tail = log_tail(text)
+    assert "Address already in use" in tail and "leaked" not in tail
+    assert log_tail("x" * 5000) == "x" * 2000  # still the end of a long log

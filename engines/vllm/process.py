@@ -124,6 +124,10 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class VllmExited(RuntimeError):
+    """vLLM's process ended before it answered /health."""
+
+
 class VllmProcess:
     """vLLM's server, started now on 127.0.0.1:``port``; its output goes to the adapter's stderr."""
 
@@ -146,7 +150,7 @@ class VllmProcess:
         start = time.monotonic()
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(
+                raise VllmExited(
                     f"vLLM exited with {self.process.returncode} while starting: {' '.join(self.command)} "
                     "(its log is above)"
                 )

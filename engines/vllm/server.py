@@ -64,7 +64,7 @@ from engines.options import parse_config
 from engines.protocol import EngineCompletion, EngineCompletionRequest, GyreChoice, ModelCard, ModelList
 from engines.vllm import settings
 from engines.vllm.config import VllmServerConfig
-from engines.vllm.process import VllmProcess
+from engines.vllm.process import VllmExited, VllmProcess
 from engines.vllm.weights import is_tied, policy_version_of, serving_folder, weights_folder
 
 
@@ -138,7 +138,13 @@ def create_app(config: VllmServerConfig) -> FastAPI:
         process = child["vllm"] = VllmProcess(served, free_port())
         watcher = None
         try:
-            seconds = await process.wait_healthy(client)
+            try:
+                seconds = await process.wait_healthy(client)
+            except VllmExited as exc:
+                # once more, on a fresh port: the port picked may have been taken before vLLM bound it
+                print(f"{exc}: starting vLLM once more on another port", file=sys.stderr, flush=True)
+                process = child["vllm"] = VllmProcess(served, free_port())
+                seconds = await process.wait_healthy(client)
             models = (await client.get(f"{process.url}/v1/models")).json()
             state["max_model_len"] = models["data"][0].get("max_model_len")
             watcher = asyncio.create_task(_watch(process))

@@ -151,6 +151,17 @@ def local_stack(
         )
 
 
+def log_tail(text: str, chars: int = 2000) -> str:
+    """The end of a dead server's log without the lines nanobind prints at exit about objects it
+    leaked (Triton's, hundreds of them under vLLM), which would push the error out of the tail."""
+    kept = [
+        line
+        for line in text.splitlines()
+        if not line.startswith("nanobind: leaked") and not line.lstrip().startswith("- leaked ")
+    ]
+    return "\n".join(kept)[-chars:]
+
+
 @contextlib.contextmanager
 def serving_process(
     command: list[str], url: str, env: dict[str, str], *, stdin: str | None = None
@@ -168,7 +179,7 @@ def serving_process(
             while True:
                 if process.poll() is not None:
                     log.seek(0)
-                    tail = log.read().decode(errors="replace")[-2000:]
+                    tail = log_tail(log.read().decode(errors="replace"))
                     raise RuntimeError(f"{' '.join(command[:3])} exited with {process.returncode}: {tail}")
                 with contextlib.suppress(httpx.TransportError):
                     if httpx.get(f"{url}/health", timeout=1).status_code == 200:
