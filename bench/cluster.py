@@ -267,17 +267,8 @@ def measured_run(con, records: list, group_size: int, sessions_per_cell: int) ->
         rewards.setdefault((step, group), set()).add(round(reward or 0.0, 6))
     steps: list[list[Execution]] = [[] for _ in records]
     for step, _, group, _, wall, outputs, prompts, call_s, unique in rows:
-        outputs = [o for o in outputs if o is not None]
-        steps[step].append(
-            Execution(
-                calls=len(outputs),
-                output_tokens=outputs,
-                context_tokens=[p for p in prompts if p is not None],
-                call_s=float(call_s),
-                wall_s=float(wall),
-                trained_tokens=float(unique) if len(rewards[(step, group)]) > 1 else 0.0,
-            )
-        )
+        trained = unique if len(rewards[(step, group)]) > 1 else 0.0
+        steps[step].append(Execution.recorded(outputs, prompts, call_s, wall, trained))
     return MeasuredRun(
         policy="colocate",
         group_size=group_size,

@@ -327,17 +327,8 @@ class RealBench:
                         f"{', '.join(sorted(by_id)[:4])}, ...)"
                     )
                 _, group, _, wall, outputs, prompts, call_s, unique = by_id[key]
-                outputs = [o for o in outputs if o is not None]
-                row.append(
-                    Execution(
-                        calls=len(outputs),
-                        output_tokens=outputs,
-                        context_tokens=[p for p in prompts if p is not None],
-                        call_s=float(call_s),
-                        wall_s=float(wall),
-                        trained_tokens=float(unique) if len(rewards[group]) > 1 else 0.0,
-                    )
-                )
+                trained = unique if len(rewards[group]) > 1 else 0.0
+                row.append(Execution.recorded(outputs, prompts, call_s, wall, trained))
             steps.append(row)
         return MeasuredRun(
             policy=label,

@@ -52,6 +52,22 @@ class Execution:
     wall_s: float  # started -> ended (calls, tools, harness, grading)
     trained_tokens: float  # tokens it contributed to training (0 when its group had no signal)
 
+    @classmethod
+    def recorded(
+        cls, outputs: list, prompts: list, call_s: float, wall_s: float, trained_tokens: float
+    ) -> Execution:
+        """One execution from its store rows: its calls' output and prompt lengths in call order (a
+        LEFT JOIN's None for an execution without calls dropped), seconds in calls, wall seconds."""
+        outputs = [o for o in outputs if o is not None]
+        return cls(
+            calls=len(outputs),
+            output_tokens=outputs,
+            context_tokens=[p for p in prompts if p is not None],
+            call_s=float(call_s),
+            wall_s=float(wall_s),
+            trained_tokens=float(trained_tokens),
+        )
+
 
 @dataclass(frozen=True)
 class MeasuredRun:
