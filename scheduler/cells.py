@@ -310,6 +310,14 @@ class CellPool:
     def now(self) -> float:
         return self.clock() - self.started
 
+    def restart_clock(self) -> None:
+        """`now()` counts from here (a run's start); each cell's `since` moves to the same instant on
+        the new clock, so a cell that changed role long before the run has dwelled that long."""
+        elapsed = self.now()
+        self.started = self.clock()
+        for cell in self.cells.values():
+            cell.since -= elapsed
+
     def to_train(self, cell_id: str, step_address: tuple[str, int, int] | None) -> Switch:
         """drain -> sleep -> join (the core cell has no replica: it trains in the step already)."""
         cell = self.cells[cell_id]

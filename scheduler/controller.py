@@ -95,6 +95,7 @@ class _Step:
     finished: int = 0
     outcomes: dict[str, list[Outcome]] = field(default_factory=dict)  # problem id -> outcomes
     ready_groups: list[dict[str, Any]] = field(default_factory=list)  # problems whose group finished
+    packed: list[tuple[Chunk, str]] = field(default_factory=list)  # packed groups the core has not taken
     appended: int = 0
     skipped: int = 0
     training: Training | None = None
@@ -141,7 +142,7 @@ class Controller:
 
     async def run(self, work: Sequence[StepWork], start_version: int = 0) -> RunReport:
         """Runs `work` (consecutive steps, the first trains `start_version`) to its last update."""
-        self.pool.started = self.pool.clock()
+        self.pool.restart_clock()
         cpu = cpu_times()
         started = time.monotonic()
         self._wall = time.time() - started  # monotonic -> wall clock
@@ -252,15 +253,19 @@ class Controller:
         )
 
     async def _append_ready(self, step: _Step) -> None:
-        """Finished groups go to the step being trained while the core cell trains (colocate holds
-        them until the whole pool has turned to training)."""
-        while step.ready_groups and self._core_trains():
+        """Finished groups are packed as they finish (the controller's work, whatever the core
+        does), and go to the step being trained while the core cell trains (colocate and a lent core
+        hold them until the core turns to training)."""
+        while step.ready_groups:
             problem = step.ready_groups.pop(0)
             chunk = await asyncio.to_thread(self.runtime.pack_group, step.work.step, problem)
             if chunk is None:
                 step.skipped += 1
-                continue
-            await asyncio.to_thread(step.training.append, chunk, problem["problem_id"])
+            else:
+                step.packed.append((chunk, problem["problem_id"]))
+        while step.packed and self._core_trains():
+            chunk, problem_id = step.packed.pop(0)
+            await asyncio.to_thread(step.training.append, chunk, problem_id)
             step.appended += 1
 
     def _complete(self, step: _Step) -> bool:
@@ -329,7 +334,8 @@ class Controller:
             dispatched=sum(s.dispatched for s in steps),
             finished=sum(s.finished for s in steps),
             steps=tuple(
-                StepProgress(s.work.step, s.executions, s.dispatched, s.groups_done) for s in untrained
+                StepProgress(s.work.step, s.executions, s.dispatched, s.groups_done, s.finished)
+                for s in untrained
             ),
             policy_version=self.version,
             oldest_behaviour_version=min(unfinished) if unfinished else None,

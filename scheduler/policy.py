@@ -23,7 +23,8 @@ The three policies (`make_policy("elastic" | "colocate" | "async", **config_fiel
   rollout capacity left still hosts the unfinished and dispatchable work with headroom (the
   hysteresis), each cell keeps a role at least `min_dwell_s`, and a move happens only when it
   pays (predicted gain on the training backlog > the switch costs). New work pulls satellites
-  back. The core always trains.
+  back. The core always trains, unless `lend_core`: then it rolls out too while the step being
+  trained rolls out its bulk, and trains from that step's tail until its update is published.
 - `Colocate`: the whole pool flips: all rollout (the core too) until the step's executions have
   all finished, then all train until its update is published.
 - `Async`: a static split (fixed train and rollout counts) with one step of overlap.
@@ -73,11 +74,18 @@ class StepProgress:
     """Executions started so far (a group may be started across ticks)."""
     finished_groups: int = 0
     """Groups whose every execution has finished: formed into micro-batches for streaming training."""
+    finished: int = 0
+    """Executions finished so far (any status)."""
 
     @property
     def queued(self) -> int:
         """Executions sampled but not dispatched yet."""
         return self.executions - self.dispatched
+
+    @property
+    def left(self) -> int:
+        """Executions not finished yet: queued or running."""
+        return self.executions - self.finished
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,13 @@ class ElasticConfig:
     """Switch only when it pays: a cell joins training only if the predicted gain on the training
     backlog, backlog/n - backlog/(n+1) seconds with n train cells, exceeds gain_factor times the
     round trip (switch in + switch back). 0 moves whenever the capacity allows."""
+    lend_core: bool = False
+    """The core rolls out as well while the step being trained still rolls out its bulk (more of its
+    executions are unfinished than one cell hosts), and trains from then until that
+    step's update is published: it trains the groups that finished meanwhile at once, beside the
+    step's tail. Satellites train only beside a training core (they go back to rollout before it
+    leaves). For work whose training is a small share of a step: a core that always trains idles
+    between its micro-batches. Off: the core always trains."""
 
 
 class Elastic:
@@ -217,6 +232,12 @@ class Elastic:
         # The step being trained gates every later dispatch (depth), so its training comes before
         # rolling out a step ahead: work ahead only claims cells the trainer cannot use.
         demand = state.waterlevel + current + (0 if self._pays(state, train) else ahead)
+        if cfg.lend_core:
+            if self._core_target(state, steps) == "rollout":
+                return self._lend(state, steps)
+            lent = next((c for c in state.cells if c.core and c.role == "rollout"), None)
+            if lent is not None:
+                return self._reclaim(state, steps, lent)
         core: dict[str, Role] = {c.cell_id: "train" for c in state.cells if c.core and c.role != "train"}
         serving = sum(1 for c in state.cells if c.role == "rollout" and not c.core)
         wanted = math.ceil(demand / state.sessions_per_cell)
@@ -231,6 +252,46 @@ class Elastic:
 
     def _settled(self, cell: CellState, now: float) -> bool:
         return cell.phase == "ready" and now - cell.since >= self.config.min_dwell_s
+
+    def _core_target(self, state: SchedulerState, steps: list[StepProgress]) -> Role:
+        """lend_core: where the core is wanted. Training while the step being trained is closed (its
+        update runs) or has every execution finished, while nothing waits to roll out, and once the
+        step is in its tail: some of its groups in and no more of its executions unfinished than one
+        cell hosts (the core's own share of rollout), so what finished meanwhile trains beside the
+        tail. Rolling out before that."""
+        current = next((s for s in state.steps if s.step == state.policy_version), None)
+        if current is None or current.left == 0 or (state.waterlevel == 0 and not steps):
+            return "train"
+        if current.finished_groups > 0 and current.left <= state.sessions_per_cell:
+            return "train"
+        return "rollout"
+
+    def _lend(self, state: SchedulerState, steps: list[StepProgress]) -> Decision:
+        """The core rolls out: every satellite back to rollout first (a satellite trains only in the
+        core's step), the core once none trains (and it has dwelled)."""
+        roles: dict[str, Role] = {
+            c.cell_id: "rollout"
+            for c in state.cells
+            if c.role == "train" and not c.core and self._settled(c, state.now)
+        }
+        training = any(c.role == "train" and not c.core and c.cell_id not in roles for c in state.cells)
+        for c in state.cells:
+            if c.core and c.role == "train" and not training and self._settled(c, state.now):
+                roles[c.cell_id] = "rollout"
+        reason = f"core lent to rollout: step {state.policy_version} rolls out its bulk"
+        return Decision(roles, fill(state, steps, _ready(state, "rollout", roles)), reason)
+
+    def _reclaim(self, state: SchedulerState, steps: list[StepProgress], core: CellState) -> Decision:
+        """The lent core goes back to training once it has dwelled and the other ready rollout cells
+        host every unfinished execution (its sessions move there); until then nothing new starts on
+        it, so its sessions finish or fit."""
+        others = _ready(state, "rollout", {core.cell_id: "train"})
+        if self._settled(core, state.now) and others * state.sessions_per_cell >= state.waterlevel:
+            roles: dict[str, Role] = {core.cell_id: "train"}
+            reason = f"core back to training: step {state.policy_version}'s tail"
+        else:
+            roles, reason = {}, f"core wanted in training: waterlevel {state.waterlevel} drains to the others"
+        return Decision(roles, fill(state, steps, others), reason)
 
     def _grow(self, state: SchedulerState, count: int) -> dict[str, Role]:
         """Satellites that have dwelled longest go back to rollout first."""

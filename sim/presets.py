@@ -382,7 +382,7 @@ PAPER_FLAGSHIP = Preset(
     to_train_s=8.5,
     to_rollout_s=3.5,
     tick_s=60,
-    elastic={"min_dwell_s": 600},
+    elastic={"min_dwell_s": 600, "lend_core": True},
     async_splits=(8, 10, 12),
     context_keep=0.5,
 )
@@ -409,7 +409,7 @@ CPU_SMALL = Preset(
     to_train_s=2.0,
     to_rollout_s=1.0,
     tick_s=0.5,
-    elastic={"min_dwell_s": 5.0},
+    elastic={"min_dwell_s": 5.0, "lend_core": True},
     async_splits=(1, 2),
 )
 
@@ -433,14 +433,15 @@ def with_settings(preset: Preset, settings: list[str]) -> Preset:
     (`cluster.cells=512`, `engine.sessions_per_cell=4`, `trainer.tokens_per_s=8000`,
     `trainer.min_cells=4`, `engine.device_memory_gb=141`), a field of one suite or of every suite
     (`suites.swe.turns_median=300`, `suites.*.gap_sigma=2`), or an elastic policy setting
-    (`elastic.min_dwell_s=300`). Values are parsed as the field's type."""
+    (`elastic.min_dwell_s=300`, `elastic.lend_core=false`). Values are parsed as the field's type."""
     for setting in settings:
         key, sep, raw = setting.partition("=")
         if not sep:
             raise ValueError(f"--set {setting!r}: expected key=value (e.g. cluster.cells=512)")
         head, _, leaf = key.partition(".")
         if head == "elastic" and leaf:
-            preset = replace(preset, elastic={**preset.elastic, leaf: float(raw)})
+            flag = {"true": True, "false": False}.get(raw.lower())  # elastic.lend_core=false
+            preset = replace(preset, elastic={**preset.elastic, leaf: float(raw) if flag is None else flag})
             continue
         if head == "suites" and leaf:
             preset = replace(preset, suites=_set_suites(preset, key, leaf, raw))

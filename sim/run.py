@@ -89,6 +89,7 @@ class Simulation:
         self.steps = StepBook(
             dispatched=[0] * preset.steps,
             finished_groups=[0] * preset.steps,
+            finished=[0] * preset.steps,
             group_left=[[size] * n_groups for _ in range(preset.steps)],
             group_tokens=[[0.0] * n_groups for _ in range(preset.steps)],
             backlog=[0.0] * preset.steps,
@@ -227,7 +228,8 @@ class Simulation:
         )
         window = range(self.version, min(p.steps, self.version + STEP_WINDOW))
         steps = tuple(
-            StepProgress(i, p.executions_per_step, s.dispatched[i], s.finished_groups[i]) for i in window
+            StepProgress(i, p.executions_per_step, s.dispatched[i], s.finished_groups[i], s.finished[i])
+            for i in window
         )
         live = [v for v, n in self.unfinished_by_version.items() if n > 0]
         backlog = s.backlog[self.version] if self.version < p.steps else 0.0
@@ -574,6 +576,7 @@ class Simulation:
         t.last_finish[e.step] = self.now
         share = (e.segment + 0.5) / self.p.segments if timeout else 1.0
         s = self.steps
+        s.finished[e.step] += 1
         group = e.index // self.p.group_size
         tokens = float(self.work.train_tokens[e.step, e.index]) * share
         s.group_tokens[e.step][group] += tokens

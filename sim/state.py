@@ -82,6 +82,7 @@ class StepBook:
 
     dispatched: list[int]
     finished_groups: list[int]
+    finished: list[int]
     group_left: list[list[int]]
     group_tokens: list[list[float]]
     backlog: list[float]

@@ -177,4 +177,5 @@ def test_the_what_if_trains_every_execution_and_slower_training_never_speeds_a_p
     for row in rows:
         best = min(row["makespan_s"][p] for p in ("async-1", "async-2", "async-3"))
         assert row["makespan_s"][row["best_async"]] == best
-        assert row["speedup_vs_async"] == pytest.approx(best / row["makespan_s"]["elastic"], abs=1e-3)
+        # the makespans are printed to 0.1 s, the speedup from the unrounded ones
+        assert row["speedup_vs_async"] == pytest.approx(best / row["makespan_s"]["elastic"], rel=3e-3)

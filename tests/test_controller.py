@@ -1,12 +1,14 @@
 """The controller on real processes: a two-step campaign of the shipped policy under the elastic
-policy with one step in flight (so each step's tail frees cells for its training and the next step
-calls them back), on three cells (engines behind the gateway, replica processes, the core as a --serve
-process). Built from the product's own pieces only: the local stack, the cell pool, the campaign's
-runtime (tasks/schedule.py CampaignRuntime, its steps' work included) and the controller.
+policy with one step in flight and the core lent to rollout (so the core rolls out each step's bulk,
+each step's tail frees cells for its training and the next step calls them back), on three cells
+(engines behind the gateway, replica processes, the core as a --serve process). Built from the
+product's own pieces only: the local stack, the cell pool, the campaign's runtime (tasks/schedule.py
+CampaignRuntime, its steps' work included) and the controller.
 
 Every execution finishes and is recorded, both steps publish a version, cells move to training and
-back while executions run (no switch fails), the core cell never leaves training once there, and no
-call trained in step s was sampled by a policy older than s - 1 (the staleness bound)."""
+back while executions run (no switch fails), the core rolls out, trains step 0's tail and is lent
+again for step 1, and no call trained in step s was sampled by a policy older than s (the staleness
+bound). (The core that always trains runs in tests/test_scheduler_service.py's campaign.)"""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from engines.admin import AdminClient
 from engines.train.config import TrainerConfig
 from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
+from scheduler.cells import Cell, CellPool, CellSpec
 from scheduler.controller import Controller
 from scheduler.policy import make_policy
 from scheduler.report import cpu_busy
@@ -50,7 +53,7 @@ def _dispatch(group_size: int, run_id: str) -> DispatchConfig:
 
 def test_elastic_runs_two_steps_on_real_cells(tmp_path):
     lag = 0
-    params = {"depth": 1, "max_policy_lag": lag, "min_dwell_s": 1.0, "gain_factor": 0.0}
+    params = {"depth": 1, "max_policy_lag": lag, "min_dwell_s": 1.0, "gain_factor": 0.0, "lend_core": True}
     data_root = str(tmp_path / "data")
     store = StoreConfig(data_root=data_root, campaign="elastic")
     fast_dir = str(tmp_path / "fast")
@@ -112,8 +115,10 @@ def test_elastic_runs_two_steps_on_real_cells(tmp_path):
     assert set(report.phases()) >= {"train.drain", "train.sleep", "rollout.wake", "rollout.register"}
     assert sum(report.role_share().values()) == pytest.approx(1.0, abs=0.01)
 
+    # the core rolled out step 0's bulk, trained from its tail, was lent again for step 1's, and trained last
     core = [role for _, cell, role in report.timeline if cell == "cell-0"]
-    assert "train" in core and "rollout" not in core[core.index("train") :]
+    assert core[0] == "rollout" and core[-1] == "train", core
+    assert "rollout" in core[core.index("train") :], core
 
     con = connect(Store(store))
     statuses = dict(con.execute("SELECT status, count(*) FROM executions GROUP BY ALL").fetchall())
@@ -140,3 +145,19 @@ def test_cpu_busy_is_the_busy_share_of_the_cores_time():
     assert cpu_busy((100, 400), (160, 500)) == 0.6
     assert cpu_busy(None, (1, 2)) is None
     assert cpu_busy((5, 10), (5, 10)) is None  # no time passed: no figure rather than a division by zero
+
+
+def test_a_pool_reused_for_another_run_keeps_how_long_each_cell_has_held_its_role():
+    """A run restarts the pool's clock; a cell that switched long before has dwelled that long (before
+    2026-12-06 its `since` kept the old clock's value, so on a reused pool no cell had dwelled until
+    the new clock caught up: a lent core waited 46 s to train)."""
+    now = [100.0]
+    pool = CellPool(
+        [Cell(CellSpec("cell-0", "http://e0", "e0", core=True), engine=None)], clock=lambda: now[0]
+    )
+    now[0] = 150.0
+    pool.cells["cell-0"].since = pool.now() - 5.0  # switched at 45 s of the old clock, 5 s ago
+    now[0] = 160.0
+    pool.restart_clock()
+    assert pool.now() == 0.0
+    assert pool.states()[0].since == -15.0  # 15 s ago on the new clock

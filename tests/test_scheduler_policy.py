@@ -98,6 +98,59 @@ def test_elastic_trains_the_current_step_before_rolling_out_the_next():
     assert sum(d.executions for d in decision.dispatch) <= 4 * (3 - len(decision.roles))
 
 
+def lending(**kw: object) -> Elastic:
+    return Elastic(ElasticConfig(**{"gain_factor": 0.0, "min_dwell_s": 0.0, "lend_core": True, **kw}))
+
+
+def test_a_lent_core_rolls_out_while_the_step_rolls_out_its_bulk():
+    # step 0: 16 executions, 8 running on r0 and r1 (4 sessions each), 8 queued; nothing finished
+    pool = cells(rollout=2, sessions=(4, 4))
+    bulk = state(pool, waterlevel=8, queued=8)
+    decision = lending().decide(bulk)
+    assert decision.roles == {"core": "rollout"}
+    assert Elastic(ElasticConfig(gain_factor=0, min_dwell_s=0)).decide(bulk).roles == {}  # not lent: stays
+
+
+def test_a_lent_core_leaves_training_only_with_its_satellites():
+    pool = cells(rollout=2, train=1, sessions=(4, 4))
+    decision = lending().decide(state(pool, waterlevel=8, queued=8))
+    assert decision.roles == {"t0": "rollout", "core": "rollout"}
+    # a satellite still dwelling keeps training, so the core stays with it
+    dwelling = (*cells(rollout=2, sessions=(4, 4)), CellState("t0", "train", since=50.0))
+    held = lending(min_dwell_s=30).decide(state(dwelling, waterlevel=8, queued=8, now=60.0))
+    assert held.roles == {}
+
+
+def test_a_lent_core_trains_from_its_steps_tail_once_the_others_host_every_session():
+    lent = (
+        CellState("core", "rollout", core=True, active_sessions=2),
+        *cells(rollout=2, sessions=(4, 1))[1:],
+    )
+    # step 0's last 3 executions of 16 run, 13 finished (3 groups of 4 in): the others can host them
+    # and 4 of step 1 run too: 7 unfinished in all
+    tail = (
+        StepProgress(0, 16, dispatched=16, finished_groups=3, finished=13),
+        StepProgress(1, 16, dispatched=4),
+    )
+    busy = state(lent, steps=tail, dispatched=20, finished=13)
+    decision = lending().decide(busy)
+    assert decision.roles == {"core": "train"}
+    # with more sessions than the others hold, the core waits, and no new work starts on it
+    crowded = state(lent, steps=tail, dispatched=23, finished=13)
+    waiting = lending().decide(crowded)
+    assert waiting.roles == {}
+    assert sum(d.executions for d in waiting.dispatch) == 0  # 2 cells x 4 sessions hold 10 already
+
+
+def test_a_lent_core_trains_while_its_step_is_closed_or_done():
+    lent = (CellState("core", "rollout", core=True), *cells(rollout=2)[1:])
+    # step 0 closed (its update runs): the window starts at step 1, and version 0 is still served
+    closed = state(lent, waterlevel=0, steps=(StepProgress(1, 16),), policy_version=0)
+    assert lending().decide(closed).roles == {"core": "train"}
+    done = state(lent, steps=(StepProgress(0, 16, dispatched=16, finished_groups=4, finished=16),))
+    assert lending().decide(done).roles == {"core": "train"}
+
+
 # ---- Colocate and Async -------------------------------------------------------------------------
 
 
@@ -177,7 +230,9 @@ def drive(
             sessions_per_cell=cap,
             dispatched=sum(dispatched),
             finished=sum(finished),
-            steps=tuple(StepProgress(s, step_size, dispatched[s], finished[s] // 4) for s in window),
+            steps=tuple(
+                StepProgress(s, step_size, dispatched[s], finished[s] // 4, finished[s]) for s in window
+            ),
             policy_version=version,
             oldest_behaviour_version=min(live) if live else None,
             train_backlog_s=rng.choice([0.0, 10.0, 1000.0]),
@@ -242,6 +297,26 @@ def test_elastic_properties(seed, n_cells, cap, depth, max_lag, hysteresis, dwel
     assert len(history) < 400, "the campaign did not finish"
     last_switch: dict[str, float] = {}
     for tick in history:
+        for cell_id in tick.decision.roles:
+            if cell_id in last_switch:
+                assert tick.state.now - last_switch[cell_id] >= dwell, f"{cell_id} flapped"
+            last_switch[cell_id] = tick.state.now
+
+
+@settings(max_examples=60, deadline=None)
+@given(**POOL, dwell=st.sampled_from([0.0, 30.0]), hysteresis=st.sampled_from([0.0, 0.5]))
+def test_elastic_lending_the_core_properties(seed, n_cells, cap, dwell, hysteresis):
+    """Capacity and staleness hold, the campaign ends, no cell flaps, and a satellite never trains
+    without the core (its step is the core's)."""
+    history = drive(lending(min_dwell_s=dwell, hysteresis=hysteresis), random.Random(seed), n_cells, cap)
+    check_capacity_core_and_staleness(history, depth=2, max_lag=1, core_trains=False)
+    assert len(history) < 400, "the campaign did not finish"
+    last_switch: dict[str, float] = {}
+    for tick in history:
+        after = {c.cell_id: tick.decision.roles.get(c.cell_id, c.role) for c in tick.state.cells}
+        core = next(c.cell_id for c in tick.state.cells if c.core)
+        if any(role == "train" for cell_id, role in after.items() if cell_id != core):
+            assert after[core] == "train", "a satellite trains while the core rolls out"
         for cell_id in tick.decision.roles:
             if cell_id in last_switch:
                 assert tick.state.now - last_switch[cell_id] >= dwell, f"{cell_id} flapped"

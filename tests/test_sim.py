@@ -82,6 +82,7 @@ def test_gyre_bench_schedule_quick_writes_its_json(tmp_path):
         "async",
         "async-paperlike",
         "elastic",
+        "elastic-core",
         "elastic-sync",
         "elastic-oracle",
     }

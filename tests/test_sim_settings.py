@@ -21,8 +21,10 @@ def test_settings_change_fields_parts_and_the_elastic_policy():
             "trainer.tokens_per_s=8000",
             "to_train_s=20",
             "elastic.min_dwell_s=300",
+            "elastic.lend_core=false",
         ],
     )
+    assert PAPER_FLAGSHIP.elastic["lend_core"] is True and changed.elastic["lend_core"] is False
     assert (changed.steps, changed.cluster.cells, changed.trainer.tokens_per_s) == (8, 512, 8000.0)
     assert changed.to_train_s == 20.0 and changed.elastic["min_dwell_s"] == 300.0
     assert changed.cluster.devices_per_cell == PAPER_FLAGSHIP.cluster.devices_per_cell
@@ -48,6 +50,7 @@ def test_gyre_sim_prints_and_writes_the_comparison(tmp_path, capsys):
         "async",
         "async-paperlike",
         "elastic",
+        "elastic-core",
         "elastic-sync",
         "elastic-oracle",
     }
