@@ -174,6 +174,33 @@ def machine(
     )
 
 
+def measured_suite(runs: list[MeasuredRun], name: str = "measured") -> Suite:
+    """A suite shaped like the executions of ``runs`` (how `cpu-small` was fitted): the lognormal of
+    their turns (the median and sigma of log turns), tokens decoded per turn, unique tokens added
+    per turn besides the output (an execution's last context and completion over its turns, as the
+    simulator counts it), the tool time per turn (wall less call seconds over the turns: the median
+    and log sigma over executions, so the spread of one gap is understated), and the trained share
+    of the unique tokens (groups without a signal train nothing)."""
+    executions = [e for run in runs for step in run.executions for e in step if e.calls > 0]
+    if not executions:
+        raise ValueError("no execution with a call to fit a suite on")
+    turns = np.array([e.calls for e in executions], dtype=float)
+    unique = np.array([e.context_tokens[-1] + e.output_tokens[-1] for e in executions], dtype=float)
+    output_per_turn = sum(sum(e.output_tokens) for e in executions) / turns.sum()
+    gaps = np.array([max(e.wall_s - e.call_s, 1e-3) / e.calls for e in executions])
+    return Suite(
+        name,
+        1.0,
+        turns_median=round(float(np.exp(np.log(turns).mean())), 2),
+        turns_sigma=round(float(np.log(turns).std()), 3),
+        output_tokens_per_turn=round(float(output_per_turn), 1),
+        context_tokens_per_turn=round(float(unique.sum() / turns.sum() - output_per_turn), 1),
+        gap_median_s=round(float(np.median(gaps)), 3),
+        gap_sigma=round(float(np.log(gaps).std()), 3),
+        trained_share=round(float(sum(e.trained_tokens for e in executions) / unique.sum()), 4),
+    )
+
+
 def fit_training(tokens: list[float], seconds: list[float]) -> tuple[float, float]:
     """(update_s, seconds per trained token) from a colocate run's steps: the seconds after a step's
     last execution (less the switches) = update_s + tokens x cost, least squares. The update is mostly

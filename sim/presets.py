@@ -36,17 +36,19 @@ Presets (`PRESETS`):
     (`async`) keeps the same splits with streaming: the honest strongest static baseline.
   The two CALIBRATED knobs were set, on the 48-step campaign, so that colocate and the paper-like
   async land within 10% of 91.5 h and 134.6 h; elastic was never looked at while setting them.
-- `cpu-small`: four one-thread cells on a 2-core machine, the setup of `gyre bench learn --quick`
-  (12 problems x 4 per step, concurrency 4, six-turn executions of the tiny policy). A FIRST,
-  LOOSE calibration: per-turn decode latency and tool gap chosen so that colocate's step is about
-  78 s, as in an earlier `gyre bench learn --quick` from the faithful warm start (step_s 73-87
-  s); training 320 tokens/s per cell (bench/results/train.json tree_tokens_per_s), with a small
-  trained share because most groups carry no signal and are skipped (that run: 300 of 384
-  executions zero-signal); switch costs are the issue's goals (2 s / 1 s), not measurements; the
-  two cores are shared by every active cell (`Cluster.shared_cores`). Not validated against a
-  held-out real run yet (the real comparison calibrates its own machine: sim/calibrate.py).
-- `cpu-small-tail`: cpu-small with the heavy tail of bench/results/rollout.json (one execution in
-  six runs 40-70 turns into its 40 s deadline).
+- `cpu-small`: the real comparison's machine (bench/schedule_real.py): four one-thread cells that
+  own a quarter core each (partitioned), two sessions a cell, groups of 2 of 8 problems a step.
+  RECALIBRATED on 2026-12-06 from that benchmark's two calibration runs (colocate and async on the
+  seed-8000 problems, `bench/results/schedule-measured.json`): the machine is what
+  `sim.calibrate.calibrate` fitted (decode 0.0301 s a token at batch 1 and a fifth of it per more
+  sequence, training 876 tokens/s a cell, a 1.83 s update, colocate's switch until productive
+  1.82 s, back 0.04 s), and the executions are `measured_suite` of the same runs (2.87 turns at the
+  median, 44 tokens decoded and 324 more unique tokens a turn, 0.46 s of tools a turn, 11.9% of the
+  unique tokens trained: most groups carry no signal). Elastic as the benchmark runs it (lent core,
+  gain_factor 0). Until 2026-12-06 it was a first, loose guess on shared cores (12 x 4 executions
+  of six turns, 320 tokens/s, switches at the goals).
+- `cpu-small-tail`: cpu-small with a heavy tail (one execution in six of 55 turns at the median,
+  into a 40 s deadline, as bench/results/rollout.json saw 40-70 turn executions).
 """
 
 from __future__ import annotations
@@ -387,29 +389,33 @@ PAPER_FLAGSHIP = Preset(
     context_keep=0.5,
 )
 
+# cpu-small's executions: `sim.calibrate.measured_suite` of the two calibration runs of
+# bench/results/schedule-measured.json (2026-12-06: colocate and async, generator seed 8000)
+CPU_SHORT = Suite("short", 1.0, 2.87, 0.332, 44.2, 324.4, 0.457, 0.616, trained_share=0.119)
+
 CPU_SMALL = Preset(
     name="cpu-small",
     steps=48,
-    groups_per_step=12,
-    group_size=4,
-    suites=(Suite("short", 1.0, 6, 0.25, 96, 150, 0.3, 0.5, trained_share=0.15),),
-    deadline_s=90,
+    groups_per_step=8,
+    group_size=2,
+    suites=(CPU_SHORT,),
+    deadline_s=120,
     segments=3,
-    cluster=Cluster(cells=4, devices_per_cell=1, shared_cores=2),
+    cluster=Cluster(cells=4, devices_per_cell=1, shared_cores=None),  # partitioned: a quarter core each
     engine=EngineModel(
-        sessions_per_cell=1,
-        latency_fixed_s=0.0035,
-        latency_per_seq_s=0.0005,
-        latency_per_ctx_token_s=1e-7,
+        sessions_per_cell=2,
+        latency_fixed_s=0.0301,
+        latency_per_seq_s=0.00603,
+        latency_per_ctx_token_s=0.0,
         max_context=32768,
         kv_bytes_per_token=4096,
         migrate_bytes_per_s=1e9,
     ),
-    trainer=TrainerModel(tokens_per_s=320, update_s=2.0),
-    to_train_s=2.0,
-    to_rollout_s=1.0,
-    tick_s=0.5,
-    elastic={"min_dwell_s": 5.0, "lend_core": True},
+    trainer=TrainerModel(tokens_per_s=876, update_s=1.83),
+    to_train_s=1.82,
+    to_rollout_s=0.04,
+    tick_s=0.25,
+    elastic={"min_dwell_s": 2.0, "gain_factor": 0.0, "lend_core": True},
     async_splits=(1, 2),
 )
 
@@ -419,8 +425,8 @@ CPU_SMALL_TAIL = Preset(
         "name": "cpu-small-tail",
         "deadline_s": 40,
         "suites": (
-            Suite("short", 5 / 6, 6, 0.25, 96, 150, 0.3, 0.5, trained_share=0.15),
-            Suite("long", 1 / 6, 55, 0.3, 96, 150, 0.3, 0.5, trained_share=0.15),
+            replace(CPU_SHORT, weight=5 / 6),
+            replace(CPU_SHORT, name="long", weight=1 / 6, turns_median=55),
         ),
     }
 )

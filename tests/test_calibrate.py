@@ -17,6 +17,7 @@ from sim.calibrate import (
     calibrate,
     fit_training,
     load_measured,
+    measured_suite,
     measured_workload,
     predict,
     save_measured,
@@ -179,3 +180,25 @@ def test_the_what_if_trains_every_execution_and_slower_training_never_speeds_a_p
         assert row["makespan_s"][row["best_async"]] == best
         # the makespans are printed to 0.1 s, the speedup from the unrounded ones
         assert row["speedup_vs_async"] == pytest.approx(best / row["makespan_s"]["elastic"], rel=3e-3)
+
+
+def test_a_suite_fitted_on_runs_has_their_turns_tokens_gaps_and_trained_share():
+    """sim.calibrate.measured_suite (how cpu-small was fitted): turns 3 or 12 in a 3:1 mix give the
+    geometric mean and log spread; tokens per turn, unique tokens, the tool time per turn and the
+    trained share are the runs' own; and the simulator then draws the same tokens per execution."""
+    run = _run(1, 60.0)
+    executions = [e for row in run.executions for e in row]
+    suite = measured_suite([run], "short")
+    turns = np.array([e.calls for e in executions], dtype=float)
+    assert suite.turns_median == pytest.approx(np.exp(np.log(turns).mean()), abs=0.01)
+    assert suite.turns_sigma == pytest.approx(np.log(turns).std(), abs=1e-3)
+    outputs = sum(sum(e.output_tokens) for e in executions)
+    assert suite.output_tokens_per_turn == pytest.approx(outputs / turns.sum(), abs=0.05)
+    unique = sum(e.context_tokens[-1] + e.output_tokens[-1] for e in executions)
+    assert suite.context_tokens_per_turn + suite.output_tokens_per_turn == pytest.approx(
+        unique / turns.sum(), abs=0.1
+    )
+    assert suite.gap_median_s == pytest.approx(np.median([1.5 / e.calls for e in executions]), abs=1e-3)
+    assert suite.trained_share == pytest.approx(50.0 * len(executions) / unique, abs=1e-4)
+    with pytest.raises(ValueError, match="no execution"):
+        measured_suite([dataclasses.replace(run, executions=[[]])])

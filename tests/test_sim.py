@@ -147,10 +147,15 @@ def test_dispatch_order_refuses_what_it_cannot_do():
 
 
 def test_on_shared_cores_the_update_competes_with_the_engines():
-    """The CPU presets share their cores: the update, CPU work like any other, takes longer while
-    engines decode (async overlaps them), and the run reports how busy it kept the cores."""
+    """On cores the cells share (a CPU machine without partitioning; the CPU presets own theirs
+    since 2026-12-06) the update, CPU work like any other, takes longer while engines decode (async
+    overlaps them), and the run reports how busy it kept the cores."""
     work = sample_workload(SMALL_TAIL, 3)
-    slow = dataclasses.replace(SMALL_TAIL, trainer=dataclasses.replace(SMALL_TAIL.trainer, update_s=20.0))
+    slow = dataclasses.replace(
+        SMALL_TAIL,
+        trainer=dataclasses.replace(SMALL_TAIL.trainer, update_s=20.0),
+        cluster=dataclasses.replace(SMALL_TAIL.cluster, shared_cores=2),
+    )
     async_ = make_policy("async", train_cells=2)
     shared = simulate(slow, async_, "async", 2, work)
     assert 0 < shared.cpu_busy <= 1
