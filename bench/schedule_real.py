@@ -56,7 +56,15 @@ from environments.problems import Problem
 from scheduler.controller import Controller, StepWork
 from scheduler.policy import make_policy
 from scheduler.service import cell_pool, run_controller
-from sim.calibrate import Execution, MeasuredRun, calibrate, load_measured, predict, save_measured
+from sim.calibrate import (
+    Execution,
+    MeasuredRun,
+    calibrate,
+    load_measured,
+    measured_suite,
+    predict,
+    save_measured,
+)
 from sim.presets import Preset
 from tasks.campaign import problems_for, run_missing
 from tasks.schedule import CampaignRuntime
@@ -668,10 +676,16 @@ def main() -> int:
         return 0
     if args.measured:
         machine, checked = sim_check(load_measured(args.measured))
+        runs = load_measured(args.measured)
+        calibration = runs["calibration"] + runs.get(CALIBRATION_STREAMING, [])
         fitted = {
             "update_s": round(machine.trainer.update_s, 2),
             "train_tokens_per_s": round(machine.trainer.tokens_per_s, 1),
             "latency_s_per_token": round(machine.engine.latency_fixed_s, 5),
+            "to_train_s": round(machine.to_train_s, 2),
+            "to_rollout_s": round(machine.to_rollout_s, 3),
+            # the calibration runs' executions as a simulator suite (how sim/presets.py's cpu-small was fitted)
+            "suite": dataclasses.asdict(measured_suite(calibration, "short")),
         }
         print(json.dumps({**fitted, "sim_vs_real": checked}, indent=1))
         return 0

@@ -39,7 +39,7 @@ Presets (`PRESETS`):
 - `cpu-small`: the real comparison's machine (bench/schedule_real.py): four one-thread cells that
   own a quarter core each (partitioned), two sessions a cell, groups of 2 of 8 problems a step.
   RECALIBRATED on 2026-12-06 from that benchmark's two calibration runs (colocate and async on the
-  seed-8000 problems, `bench/results/schedule-measured.json`): the machine is what
+  seed-8000 problems, `bench/results/schedule-measured-cpu-small.json`): the machine is what
   `sim.calibrate.calibrate` fitted (decode 0.0301 s a token at batch 1 and a fifth of it per more
   sequence, training 876 tokens/s a cell, a 1.83 s update, colocate's switch until productive
   1.82 s, back 0.04 s), and the executions are `measured_suite` of the same runs (2.87 turns at the
@@ -390,7 +390,9 @@ PAPER_FLAGSHIP = Preset(
 )
 
 # cpu-small's executions: `sim.calibrate.measured_suite` of the two calibration runs of
-# bench/results/schedule-measured.json (2026-12-06: colocate and async, generator seed 8000)
+# bench/results/schedule-measured-cpu-small.json (2026-12-06: colocate and async, generator seed 8000);
+# `python -m bench.schedule_real --measured bench/results/schedule-measured-cpu-small.json` prints
+# them ("suite") and the machine below
 CPU_SHORT = Suite("short", 1.0, 2.87, 0.332, 44.2, 324.4, 0.457, 0.616, trained_share=0.119)
 
 CPU_SMALL = Preset(
