@@ -675,8 +675,8 @@ def main() -> int:
         print(json.dumps(what_if(machine, measured, args.what_if), indent=1))
         return 0
     if args.measured:
-        machine, checked = sim_check(load_measured(args.measured))
         runs = load_measured(args.measured)
+        machine, checked = sim_check(runs)
         calibration = runs["calibration"] + runs.get(CALIBRATION_STREAMING, [])
         fitted = {
             "update_s": round(machine.trainer.update_s, 2),

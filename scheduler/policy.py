@@ -212,8 +212,8 @@ class ElasticConfig:
     """The core rolls out as well while the step being trained still rolls out its bulk (more of its
     executions are unfinished than one cell hosts), and trains from then until that
     step's update is published: it trains the groups that finished meanwhile at once, beside the
-    step's tail. Satellites train only beside a training core (they go back to rollout before it
-    leaves). For work whose training is a small share of a step: a core that always trains idles
+    step's tail. Satellites train only beside a training core (they go back to rollout with it, or
+    before it). For work whose training is a small share of a step: a core that always trains idles
     between its micro-batches. Off: the core always trains."""
 
 
