@@ -51,8 +51,13 @@ class EngineConfig(BaseModel):
     prefill_chunk_tokens: int = Field(
         2048,
         ge=1,
-        description="a prefill longer than this runs in chunks, bounding the attention mask at "
-        "chunk x context instead of prompt x context",
+        description="a prefill longer than this runs in chunks, bounding the activations at "
+        "chunk x hidden (and, where a mask is used, the mask at chunk x context) instead of prompt x context",
+    )
+    flash_prefill: bool = Field(
+        True,
+        description="on the CPU, run a prefill chunk as two fused flash-attention calls (the held tokens, "
+        "then the chunk itself) instead of one with a [chunk, context] mask: memory bounded by the KV",
     )
     engine_id: str = Field("rollout-0", description="stamped on every output (GenerateOutput.engine_id)")
     policy_version: int = Field(0, description="version of the weights the engine starts with")

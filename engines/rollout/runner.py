@@ -14,6 +14,7 @@ import os
 import torch
 
 from engines.model.weights import load_model
+from engines.rollout.attention import flash_prefill_available, use_engine_attention
 from engines.rollout.config import EngineConfig
 from engines.rollout.kv import KVRows, KVShape, decode_mask, prefill_mask
 
@@ -53,6 +54,8 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        # on the CPU a prefill chunk needs no [chunk, context] mask (engines/rollout/attention.py)
+        self.flash_prefill = flash_prefill_available(device) and config.flash_prefill
         self._shapes: dict[str, torch.Size] | None = None  # parameter shapes while asleep
 
     @property
@@ -70,15 +73,18 @@ class ModelRunner:
             start = kv.lengths[0]
             ids = torch.tensor([piece], device=self.device)
             positions = torch.arange(start, start + len(piece), device=self.device)[None]
-            mask = prefill_mask(start, len(piece), self.shape.dtype, self.device)
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=kv,
-                use_cache=True,
-                logits_to_keep=1,
+            mask = (
+                None if self.flash_prefill else prefill_mask(start, len(piece), self.shape.dtype, self.device)
             )
+            with use_engine_attention(self.model, on=self.flash_prefill):
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=kv,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             kv.advance(len(piece))
             logits = out.logits[0, -1]
         return logits
