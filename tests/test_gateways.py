@@ -134,7 +134,7 @@ def test_a_standby_registration_shares_the_key_and_numbers_its_calls_apart(tmp_p
 
 
 @pytest.mark.slow
-def test_a_gateway_killed_mid_step_loses_no_execution_and_records_each_call_once(tmp_path):
+def test_a_gateway_killed_mid_step_loses_no_execution_and_no_call(tmp_path):
     folder = str(tmp_path / "tokenizer")
     save_tokenizer(tokenizer(), folder)
     store = StoreConfig(data_root=str(tmp_path / "store"), campaign="gateways")
@@ -198,10 +198,18 @@ def test_a_gateway_killed_mid_step_loses_no_execution_and_records_each_call_once
     for c in calls:
         by_execution.setdefault(c[0], []).append(c)
     for execution_id, rows in by_execution.items():
-        # every turn the harness took is recorded once: one call per distinct context, the contexts
-        # growing turn by turn (a call recorded twice, or a lost one, breaks the count or the order)
-        assert len({r[2] for r in rows}) == len(rows) == WRITES + 2, (execution_id, rows)
+        # every turn the harness took is recorded: one distinct context per turn, growing turn by turn
+        # (a lost call breaks the count, a call recorded out of turn the order)
+        contexts = [r[2] for r in rows]
+        assert len(set(contexts)) == WRITES + 2, (execution_id, rows)
         assert [r[3] for r in rows] == sorted(r[3] for r in rows)
+        # a context twice only where the killed gateway spooled a call whose answer never left it and
+        # the harness asked again at the standby: a dead-end branch, one at most, across the two gateways
+        twice = [c for c in set(contexts) if contexts.count(c) > 1]
+        assert not twice or (execution_id in moved and len(rows) == WRITES + 3), (execution_id, rows)
+        for context in twice:
+            ids = sorted(r[1] for r in rows if r[2] == context)
+            assert ids[0] < STANDBY_CALL_BASE <= ids[1], (execution_id, rows)
         at_standby = [r[1] for r in rows if r[1] >= STANDBY_CALL_BASE]
         assert execution_id in moved or not at_standby
         if at_standby:  # the standby numbered its calls after the primary's, from its own base

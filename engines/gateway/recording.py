@@ -2,8 +2,8 @@
 
     recording = CallRecording(store, flush_interval_s=30.0)
     await recording.start()                                  # the spool's leftovers, then the periodic flush
-    recording.record_call_soon(target, execution_id, agent_id, role, prompt_ids, output_ids, logprobs,
-                               policy_version, call_id=..., engine_id=..., finish_reason=..., ...)
+    await recording.record_call(target, execution_id, agent_id, role, prompt_ids, output_ids, logprobs,
+                                policy_version, call_id=..., engine_id=..., finish_reason=..., ...)
     await recording.record_execution(target, execution_id, status, reward=..., ...)  # RecordError if refused
     await recording.flush()          # every recorder; {calls, executions, quarantined, manifests}
     await recording.forget(target, execution_id)
@@ -13,10 +13,13 @@ evaluation beside the training campaign) is recorded there, any other in the gat
     await recording.close()
 
 Recording runs on ONE dedicated thread (a FIFO executor): the gateway numbers an execution's calls itself
-(call_id, returned in the response's ``gyre`` field) and hands each record to that thread as soon as the
-handler has sent its answer (record_call_soon: loop.call_soon) and never waits for it, so the recorder's
-validation, hashing and prefix-index work stay off the request path; order is kept because the queue is
-FIFO. Everything else that touches a recorder (record_execution, flush, forget) goes through the same
+(call_id, returned in the response's ``gyre`` field) and hands each record to that thread, in that order,
+and answers once the record is in the recorder, and so in its spool (record_call): a gateway killed at
+any moment has spooled every call a harness received, and its restart writes them. The other order
+would lose a call answered but not yet spooled (its output tokens then reach the next prompt without
+their logprobs). What this order allows instead: a call spooled whose answer never left is recorded,
+and the harness's retry at the standby records the same context again, a dead-end branch with a real
+sample of the policy, as any retry makes. The event loop is free while the thread works. Everything else that touches a recorder (record_execution, flush, forget) goes through the same
 queue, so a flush or a finished execution always includes every call answered before it. A call the
 recorder refuses is quarantined by it with its reason, logged and counted (``errors``); the harness still
 has its answer. Recorders: one per (campaign, step) (executions carry both); flushed when an execution
@@ -118,11 +121,15 @@ class CallRecording:
         """Runs ``work`` on the recording thread after every record queued before it."""
         return await asyncio.wrap_future(self._thread.submit(work))
 
-    def record_call_soon(self, target: Target, *args: Any, **fields: Any) -> None:
-        """Queues Recorder.record_call(*args, **fields) once the running handler yields (after its response
-        is written): the recorder's CPU work then never competes with building and sending the answer."""
-        recorder = self.recorder(target)
-        asyncio.get_running_loop().call_soon(self._submit, recorder, args, fields)
+    async def record_call(self, target: Target, *args: Any, **fields: Any) -> None:
+        """Recorder.record_call(*args, **fields) on the recording thread, queued at once (before any other
+        await, so calls keep their order) and awaited. A call the recorder refuses is counted and logged,
+        not raised: the harness still gets its answer."""
+        future = self._thread.submit(self.recorder(target).record_call, *args, **fields)
+        future.add_done_callback(self._recorded)
+        with contextlib.suppress(Exception):  # _recorded counted and logged it
+            # shielded: a handler cancelled now (its client gone) must not cancel a record not yet run
+            await asyncio.shield(asyncio.wrap_future(future))
 
     async def record_execution(
         self, target: Target, execution_id: str, status: Status, *, calls_elsewhere: int = 0, **fields: Any
@@ -158,9 +165,6 @@ class CallRecording:
                 await self.flush()
             except Exception:  # keep serving; the next flush retries what stayed buffered
                 logger.exception("periodic flush of the recorders failed")
-
-    def _submit(self, recorder: Recorder, args: tuple, fields: dict[str, Any]) -> None:
-        self._thread.submit(recorder.record_call, *args, **fields).add_done_callback(self._recorded)
 
     def _recorded(self, future: Future) -> None:
         error = future.exception()

@@ -429,7 +429,17 @@ class Gateway:
         engine_id = engine.engine_id  # the engine's own id (Router.connect), as in routing and stats
         migrated = result.migrated or gyre.migrated
         call_id = execution.call_base + execution.calls
-        self.recording.record_call_soon(
+        # the numbering before the await: concurrent calls of one execution get their ids, and reach the
+        # recording thread (FIFO), in this order
+        execution.calls += 1
+        execution.taken_tokens += new_tokens + len(out.ids)
+        agent.calls += 1
+        agent.last_sequence = prompt_ids + out.ids
+        self.stats.calls += 1
+        self.stats.prompt_tokens += len(prompt_ids)
+        self.stats.output_tokens += len(out.ids)
+        self.stats.migrated_calls += migrated
+        await self.recording.record_call(
             self.registry.target(execution),
             execution.execution_id,
             agent.agent_id,
@@ -445,14 +455,6 @@ class Gateway:
             t_start=t_start,
             t_end=t_end,
         )
-        execution.calls += 1
-        execution.taken_tokens += new_tokens + len(out.ids)
-        agent.calls += 1
-        agent.last_sequence = prompt_ids + out.ids
-        self.stats.calls += 1
-        self.stats.prompt_tokens += len(prompt_ids)
-        self.stats.output_tokens += len(out.ids)
-        self.stats.migrated_calls += migrated
         return CallOutcome(
             out.ids, out.logprobs, out.text, out.finish_reason, engine_id, version, call_id, result
         )

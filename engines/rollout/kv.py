@@ -4,7 +4,7 @@ its ``cache``, plus the 4D additive attention masks that go with them.
     KVRows.allocate(rows, capacity, like)   empty buffers [rows, kv_heads, capacity, head_dim] per layer
     KVRows.gather(sources, capacity)        a new batch from rows of other KVRows (the rebuild on a
                                             batch-composition change: one copy per row and layer)
-    kv.reserve(n)                           grow capacity (doubling) so every row can hold n tokens
+    kv.reserve(n)                           grow capacity (by an eighth at least) so every row can hold n tokens
     model(..., cache=kv)                    the model's attention layers call kv.update(k, v, layer):
                                             row r's new keys land at columns lengths[r]..lengths[r]+q-1
     kv.advance(q)                           after the forward: every row holds q more tokens
@@ -117,10 +117,11 @@ class KVRows(Cache):
         self.lengths[i] = min(self.lengths[i], n)
 
     def reserve(self, n: int) -> None:
-        """Ensure capacity >= n, doubling (amortised O(1) copies per token)."""
+        """Ensure capacity >= n, growing by an eighth at least (amortised O(1) copies per token, at most
+        1/8 of the KV unused: doubling would hold up to twice a 128K-token context's KV)."""
         if n <= self.capacity:
             return
-        capacity = max(n, 2 * self.capacity)
+        capacity = max(n, self.capacity + max(self.capacity // 8, 64))
         for layer in range(len(self.keys)):
             for store in (self.keys, self.values):
                 old = store[layer]
@@ -200,8 +201,13 @@ class DecodeBatch:
 
     def sync(self, ids: list[str], joining: dict[str, KVRows]) -> KVRows:
         """The batch for ``ids``: rows kept from the current batch, plus the one-row caches of the
-        requests in ``joining``; ``headroom`` columns past the longest row are allocated up front."""
-        if ids != self.ids:
+        requests in ``joining``; ``headroom`` columns past the longest row are allocated up front.
+        A batch of one joining request is its own cache, not a copy (a long context alone: no second KV)."""
+        if ids != self.ids and len(ids) == 1 and ids[0] in joining:
+            self.kv, self.ids = joining[ids[0]], list(ids)
+            self.kv.reserve(self.kv.lengths[0] + self.headroom)
+            self.rebuilds += 1
+        elif ids != self.ids:
             old = {request_id: row for row, request_id in enumerate(self.ids)}
             sources = [(joining[i], 0) if i in joining else (self.kv, old[i]) for i in ids]
             longest = max(src.lengths[row] for src, row in sources)
@@ -211,9 +217,13 @@ class DecodeBatch:
         return self.kv
 
     def take(self, request_id: str) -> KVRows | None:
-        """A copy of the request's row (the request leaves; the batch is rebuilt at the next sync)."""
+        """The request's row (the request leaves; the batch is rebuilt at the next sync): the batch itself
+        when it is that one row, else a copy."""
         if request_id not in self.ids:
             return None
+        if len(self.ids) == 1:
+            kv, self.kv, self.ids = self.kv, None, []
+            return kv
         return self.kv.extract(self.ids.index(request_id), self.shape)
 
     def clear(self) -> None:
