@@ -19,11 +19,12 @@ any moment has spooled every call a harness received, and its restart writes the
 would lose a call answered but not yet spooled (its output tokens then reach the next prompt without
 their logprobs). What this order allows instead: a call spooled whose answer never left is recorded,
 and the harness's retry at the standby records the same context again, a dead-end branch with a real
-sample of the policy, as any retry makes. The event loop is free while the thread works. Everything else that touches a recorder (record_execution, flush, forget) goes through the same
-queue, so a flush or a finished execution always includes every call answered before it. A call the
-recorder refuses is quarantined by it with its reason, logged and counted (``errors``); the harness still
-has its answer. Recorders: one per (campaign, step) (executions carry both); flushed when an execution
-finishes, on /admin/flush, and every flush_interval_s.
+sample of the policy, as any retry makes. The event loop is free while the thread works. Everything
+else that touches a recorder (record_execution, flush, forget) goes through the same queue, so a flush
+or a finished execution always includes every call answered before it. A call the recorder refuses is
+quarantined by it with its reason, logged and counted (``errors``); the harness still has its answer.
+Recorders: one per (campaign, step) (executions carry both); flushed when an execution finishes, on
+/admin/flush, and every flush_interval_s.
 """
 
 from __future__ import annotations

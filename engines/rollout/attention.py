@@ -10,19 +10,15 @@ kernel merges its own tiles. Grouped-query heads are folded into rows for the fi
 heads that share a key head read the same keys) and the chunk's keys repeated for the second.
 
 ``ENGINE_ATTENTION`` is registered in transformers' AttentionInterface. The runner switches a CPU
-model to it for each prefill (``use_engine_attention``) and passes no mask (a model with a custom
-attention and no mask builds none); decode steps keep the model's own attention and their 4D mask
-(rows of different lengths), which is one row of columns per row.
+model to it for each prefill (engines.model.attention.use_attention) and passes no mask (a model with
+a custom attention and no mask builds none); decode steps keep the model's own attention and their
+small 4D mask (one row of columns per running request).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ENGINE_ATTENTION = "gyre_engine"
 
@@ -67,7 +63,7 @@ def engine_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: None,
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
@@ -75,9 +71,7 @@ def engine_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; returns [1, q, H, D] like its SDPA function."""
     if attention_mask is not None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        raise ValueError("the engine's prefill attention takes no mask: it is causal over the held tokens")
     if sliding_window is not None or kwargs.get("softcap") is not None or dropout:
         raise ValueError(
             "the engine's prefill attention supports neither sliding windows, soft-capping nor dropout"
@@ -88,18 +82,3 @@ def engine_attention_forward(
 
 
 AttentionInterface.register(ENGINE_ATTENTION, engine_attention_forward)
-
-
-@contextmanager
-def use_engine_attention(model: torch.nn.Module, on: bool = True) -> Iterator[None]:
-    """Routes the model's attention layers to ``engine_attention_forward`` inside the block."""
-    if not on:
-        yield
-        return
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = ENGINE_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous

@@ -10,11 +10,13 @@ never involved.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 
+from engines.model.attention import use_attention
 from engines.model.weights import load_model
-from engines.rollout.attention import flash_prefill_available, use_engine_attention
+from engines.rollout.attention import ENGINE_ATTENTION, flash_prefill_available
 from engines.rollout.config import EngineConfig
 from engines.rollout.kv import KVRows, KVShape, decode_mask, prefill_mask
 
@@ -76,7 +78,7 @@ class ModelRunner:
             mask = (
                 None if self.flash_prefill else prefill_mask(start, len(piece), self.shape.dtype, self.device)
             )
-            with use_engine_attention(self.model, on=self.flash_prefill):
+            with use_attention(self.model, ENGINE_ATTENTION) if self.flash_prefill else nullcontext():
                 out = self.model(
                     input_ids=ids,
                     attention_mask=mask,

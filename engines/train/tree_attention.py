@@ -25,12 +25,14 @@ switches a model to it for one forward, which receives the plan in place of the 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import AttentionInterface
+
+from engines.model.attention import use_attention
 
 TREE_ATTENTION = "gyre_tree"
 DEFAULT_BLOCK_SIZE = 128
@@ -341,15 +343,8 @@ def tree_attention_forward(
 AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
 
 
-@contextmanager
-def use_tree_attention(model: torch.nn.Module) -> Iterator[None]:
+def use_tree_attention(model: torch.nn.Module) -> AbstractContextManager[None]:
     """Routes the model's attention layers to ``tree_attention_forward`` for the forward in the block.
 
     The backward replays the recorded graph, so it may run after the block has exited."""
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = TREE_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
+    return use_attention(model, TREE_ATTENTION)
