@@ -60,6 +60,8 @@ class Runtime(Protocol):
 
     def pack_group(self, step: int, problem: dict[str, Any]) -> Chunk | None: ...  # None: no signal
 
+    def prepare(self, step: int) -> float: ...  # the core up and at `step`: its start-up seconds
+
     def start_training(self, step: int) -> Training: ...
 
     def serve(self, engine_urls: list[str], version: int) -> None: ...  # awake engines swap weights
@@ -141,7 +143,11 @@ class Controller:
         self.decisions = 0
 
     async def run(self, work: Sequence[StepWork], start_version: int = 0) -> RunReport:
-        """Runs `work` (consecutive steps, the first trains `start_version`) to its last update."""
+        """Runs `work` (consecutive steps, the first trains `start_version`) to its last update. The
+        core starts first, before the clock and the first dispatch: its start-up shares the core
+        cell's hardware, which serves rollout meanwhile under colocate and a lent core, and a
+        campaign pays it once (`RunReport.core_start_s`), as it pays the cells' start."""
+        core_start_s = await asyncio.to_thread(self.runtime.prepare, work[0].step) if work else 0.0
         self.pool.restart_clock()
         cpu = cpu_times()
         started = time.monotonic()
@@ -183,6 +189,7 @@ class Controller:
             decisions=self.decisions,
             outcomes=self.outcomes,
             cpu_busy=cpu_busy(cpu, cpu_times()),
+            core_start_s=core_start_s,
         )
 
     async def _train(self, steps: list[_Step], started: float) -> None:

@@ -57,6 +57,7 @@ class RunReport:
     decisions: int
     outcomes: list[Outcome]
     cpu_busy: float | None = None  # the machine's cores' busy share while it ran (cpu_busy)
+    core_start_s: float = 0.0  # the core's start-up before the clock (Controller.run), not in makespan_s
 
     def figures(self) -> dict[str, Any]:
         by = {"train": [], "rollout": []}
@@ -64,6 +65,7 @@ class RunReport:
             by[s.to].append(s.seconds)
         return {
             "makespan_s": round(self.makespan_s, 2),
+            "core_start_s": round(self.core_start_s, 2),
             "switches": len(self.switches),
             "switch_to_train_s": sorted(by["train"]),
             "switch_to_rollout_s": sorted(by["rollout"]),

@@ -38,7 +38,7 @@ from engines.admin import AdminClient
 from engines.devices import CellDevices
 from engines.quantiles import quantile
 from engines.train.config import TrainerConfig
-from engines.train.run import TrainStepReport
+from engines.train.run import TrainStepReport, TrainStepRequest
 from engines.train.stream import write_chunk
 from environments.dispatch import dispatch
 from environments.dispatch_config import DispatchConfig
@@ -136,13 +136,25 @@ class CampaignRuntime:
         write_chunk(batch.sequences, uri, step)
         return Chunk(uri, len(batch.sequences), len(batch.advantages))
 
+    def prepare(self, step: int) -> float:
+        """The core process started and restored at ``step`` before the controller's clock: the
+        seconds it took (a start-up on the core cell's share, paid once a campaign)."""
+        started = time.perf_counter()
+        self._core().prepare(self._request(step))
+        return time.perf_counter() - started
+
     def start_training(self, step: int) -> CoreStep:
+        return self._core().step(self._request(step))  # no batch: the step streams
+
+    def _core(self) -> CoreService:
         if self.core is None:
             self.core = CoreService(self.trainer_threads, self.trainer_cell)
-        request = step_request(
+        return self.core
+
+    def _request(self, step: int) -> TrainStepRequest:
+        return step_request(
             step, self.services, self.init_model, self.trainer, threads=self.trainer_threads, seed=self.seed
         )
-        return self.core.step(request)  # no batch: the step streams
 
     async def aclose(self) -> None:
         """Ends what lives in the event loop (the harness zygote); call before the loop ends."""

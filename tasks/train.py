@@ -198,6 +198,17 @@ class CoreService:
             raise RuntimeError(f"the core's process ended (exit {self.process.wait()}) before {what}")
         return json.loads(line)
 
+    def prepare(self, request: TrainStepRequest, timeout_s: float = 600) -> dict[str, Any]:
+        """The core restored at ``request.step``, nothing trained; its answer: ``step``, ``seconds``
+        and ``restored`` (False: it was at that step already). Its start-up then never shares the
+        core cell with the cell's rollout, and the step's own request opens at once."""
+        self.process.stdin.write(request.model_copy(update={"prepare": True}).model_dump_json() + "\n")
+        self.process.stdin.flush()
+        answer = self.next_line(timeout_s, f"the core to restore step {request.step}")["prepared"]
+        if answer["step"] != request.step:
+            raise RuntimeError(f"the core restored step {answer['step']}, not step {request.step}")
+        return answer
+
     def step(self, request: TrainStepRequest) -> CoreStep:
         self.process.stdin.write(request.model_dump_json() + "\n")
         self.process.stdin.flush()

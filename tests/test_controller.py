@@ -109,6 +109,7 @@ def test_elastic_runs_two_steps_on_real_cells(tmp_path):
     assert controller.errors == []
     assert figures["executions"] == 12
     assert 0 < report.cpu_busy <= 1  # the cells kept the cores busy some of the time, never more
+    assert report.core_start_s > 0 and figures["core_start_s"] > 0  # the core started before the clock
     assert [s["version"] for s in figures["steps"]] == [1, 2]
     assert figures["switch_to_train_s"], "no cell moved to training"
     assert figures["switch_to_rollout_s"], "no cell came back to rollout"

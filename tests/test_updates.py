@@ -15,6 +15,7 @@ from engines.train.config import TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.run import TrainStepRequest, mini_batches, step_updates, train_step
 from flows.config import CampaignConfig
+from tasks.train import CoreService
 from tests.train_fixtures import policy_and_batch
 
 pytestmark = pytest.mark.slow
@@ -111,3 +112,27 @@ def test_a_batch_without_sequences_makes_a_version_without_an_update(setup):
     assert (core.step, core.version, metrics["updates"], metrics["micro_batches"]) == (1, 1, 1.0, 0.0)
     for name, value in core.weights().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+def test_a_serving_core_prepared_before_its_step_makes_the_same_update(setup):
+    """A scheduler warms its core before the first dispatch (Controller.run): the prepared core
+    restores once, answers again without restoring, and its step makes the update a one-shot
+    process makes from the same request, bit for bit."""
+    trainer = TrainerConfig(zero_stage=0)
+    once = train_step(_request(setup, "one-shot", trainer))
+    request = _request(setup, "prepared", trainer)
+    core = CoreService(threads=1)
+    try:
+        first = core.prepare(request)
+        assert (first["step"], first["restored"]) == (0, True) and first["seconds"] > 0
+        assert core.prepare(request)["restored"] is False  # at that step already: kept, not restored
+        report = core.step(request).wait()
+        nxt = request.model_copy(update={"step": 1, "resume_from": request.checkpoint_url})
+        assert core.prepare(nxt)["restored"] is False  # the step it made left it at step 1
+    finally:
+        core.close()
+    assert (report.step, report.version, report.trained) == (0, 1, True)
+    assert report.metrics["loss"] == once.metrics["loss"]
+    prepared, reference = _weights(report), _weights(once)
+    for name, value in reference.items():
+        torch.testing.assert_close(prepared[name], value, rtol=0, atol=0)

@@ -80,6 +80,12 @@ class TrainStepRequest(BaseModel):
         "other rank runs `python -m engines.train.peer` with this same request (one process per step, "
         "like rank 0); None: a one-rank core",
     )
+    prepare: bool = Field(
+        False,
+        description="--serve only: restore the core at `step` and train nothing; answer one JSON line "
+        '{"prepared": {step, seconds, restored}}. A scheduler warms its core so before its first dispatch: the '
+        "start-up (imports, model, optimizer) then never shares the core cell with its rollout",
+    )
 
 
 class TrainStepReport(BaseModel):
@@ -288,6 +294,15 @@ def serve() -> int:
         request = TrainStepRequest.model_validate_json(line)
         if request.core is not None:
             raise ValueError("a core of several ranks runs one process per step (without --serve)")
+        if request.prepare:
+            started = time.perf_counter()
+            restored = core is None or core.step != request.step
+            if restored:
+                core = restore(request)
+            seconds = round(time.perf_counter() - started, 3)
+            answer = {"step": core.step, "seconds": seconds, "restored": restored}
+            print(json.dumps({"prepared": answer}), flush=True)
+            continue
         os.makedirs(request.fast_dir, exist_ok=True)
         report, core = step_with(request, core)
         print(json.dumps(report.model_dump()), flush=True)
@@ -299,6 +314,8 @@ def main() -> int:
     if sys.argv[1:] == ["--serve"]:
         return serve()
     request = TrainStepRequest.model_validate_json(sys.stdin.read())
+    if request.prepare:
+        raise ValueError("a prepare request warms a serving core: run it with --serve")
     os.makedirs(request.fast_dir, exist_ok=True)
     report = train_step(request)
     print(json.dumps(report.model_dump()), flush=True)
