@@ -147,18 +147,18 @@ class Controller:
         core starts first, before the clock and the first dispatch: its start-up shares the core
         cell's hardware, which serves rollout meanwhile under colocate and a lent core, and a
         campaign pays it once (`RunReport.core_start_s`), as it pays the cells' start."""
-        core_start_s = await asyncio.to_thread(self.runtime.prepare, work[0].step) if work else 0.0
+        steps = [_Step(w, w.members()) for w in work]
+        self.version = start_version
+        core_start_s = await self._prepare(steps)
         self.pool.restart_clock()
         cpu = cpu_times()
         started = time.monotonic()
         self._wall = time.time() - started  # monotonic -> wall clock
-        steps = [_Step(w, w.members()) for w in work]
         for step in steps:
             for (problem_id, _), outcome in sorted(step.work.finished.items()):
                 problem = next(p for p in step.work.problems if p["problem_id"] == problem_id)
                 step.dispatched += 1
                 self._finished(step, problem, outcome)
-        self.version = start_version
         self.reports: list[StepDone] = []
         for cell in self.pool.cells.values():
             self.timeline.append((0.0, cell.spec.cell_id, cell.role))
@@ -191,6 +191,17 @@ class Controller:
             cpu_busy=cpu_busy(cpu, cpu_times()),
             core_start_s=core_start_s,
         )
+
+    async def _prepare(self, steps: list[_Step]) -> float:
+        """The core started and at the first step (Runtime.prepare), a heartbeat every tick meanwhile."""
+        if not steps:
+            return 0.0
+        prepare = asyncio.ensure_future(asyncio.to_thread(self.runtime.prepare, steps[0].work.step))
+        while not prepare.done():
+            if self.on_tick is not None:
+                self.on_tick({**self._summary(steps), "preparing": "core"})
+            await asyncio.wait([prepare], timeout=self.tick_s)
+        return prepare.result()
 
     async def _train(self, steps: list[_Step], started: float) -> None:
         """The steps' training, one after the other: open (the core's step), append finished groups
