@@ -38,13 +38,16 @@ Presets (`PRESETS`):
   async land within 10% of 91.5 h and 134.6 h; elastic was never looked at while setting them.
 - `cpu-small`: the real comparison's machine (bench/schedule_real.py): four one-thread cells that
   own a quarter core each (partitioned), two sessions a cell, groups of 2 of 8 problems a step.
-  RECALIBRATED on 2026-12-06 from that benchmark's two calibration runs (colocate and async on the
+  RECALIBRATED on 2026-12-06 (again after the engine's flash prefill and with the core started
+  before the clock) from that benchmark's two calibration runs (colocate and async on the
   seed-8000 problems, `bench/results/schedule-measured-cpu-small.json`): the machine is what
-  `sim.calibrate.calibrate` fitted (decode 0.0301 s a token at batch 1 and a fifth of it per more
-  sequence, training 876 tokens/s a cell, a 1.83 s update, colocate's switch until productive
-  1.82 s, back 0.04 s), and the executions are `measured_suite` of the same runs (2.87 turns at the
-  median, 44 tokens decoded and 324 more unique tokens a turn, 0.46 s of tools a turn, 11.9% of the
-  unique tokens trained: most groups carry no signal). Elastic as the benchmark runs it (lent core,
+  `sim.calibrate.calibrate` fitted (decode 0.0262 s a token at batch 1 and a fifth of it per more
+  sequence, training 954 tokens/s a cell, a 1.47 s update, colocate's switch until productive
+  3.70 s, back 0.06 s), and the executions are `measured_suite` of the same runs (2.87 turns at the
+  median, 44 tokens decoded and 324 more unique tokens a turn, 0.36 s of tools a turn, 11.9% of the
+  unique tokens trained: most groups carry no signal). The first fit of that day (decode 0.0301 s,
+  876 tokens/s, a 1.83 s update, 1.82 s and 0.04 s switches, 0.46 s of tools) had the core's
+  start-up inside the calibration runs. Elastic as the benchmark runs it (lent core,
   gain_factor 0). Until 2026-12-06 it was a first, loose guess on shared cores (12 x 4 executions
   of six turns, 320 tokens/s, switches at the goals).
 - `cpu-small-tail`: cpu-small with a heavy tail (one execution in six of 55 turns at the median,
@@ -393,7 +396,7 @@ PAPER_FLAGSHIP = Preset(
 # bench/results/schedule-measured-cpu-small.json (2026-12-06: colocate and async, generator seed 8000);
 # `python -m bench.schedule_real --measured bench/results/schedule-measured-cpu-small.json` prints
 # them ("suite") and the machine below
-CPU_SHORT = Suite("short", 1.0, 2.87, 0.332, 44.2, 324.4, 0.457, 0.616, trained_share=0.119)
+CPU_SHORT = Suite("short", 1.0, 2.87, 0.332, 44.2, 324.4, 0.362, 0.562, trained_share=0.119)
 
 CPU_SMALL = Preset(
     name="cpu-small",
@@ -406,16 +409,16 @@ CPU_SMALL = Preset(
     cluster=Cluster(cells=4, devices_per_cell=1, shared_cores=None),  # partitioned: a quarter core each
     engine=EngineModel(
         sessions_per_cell=2,
-        latency_fixed_s=0.0301,
-        latency_per_seq_s=0.00603,
+        latency_fixed_s=0.0262,
+        latency_per_seq_s=0.00524,
         latency_per_ctx_token_s=0.0,
         max_context=32768,
         kv_bytes_per_token=4096,
         migrate_bytes_per_s=1e9,
     ),
-    trainer=TrainerModel(tokens_per_s=876, update_s=1.83),
-    to_train_s=1.82,
-    to_rollout_s=0.04,
+    trainer=TrainerModel(tokens_per_s=954, update_s=1.47),
+    to_train_s=3.70,
+    to_rollout_s=0.06,
     tick_s=0.25,
     elastic={"min_dwell_s": 2.0, "gain_factor": 0.0, "lend_core": True},
     async_splits=(1, 2),
