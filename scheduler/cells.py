@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -130,51 +131,80 @@ class Replica:
         self.busy = False
         self.last_result: dict | None = None
         self.devices: dict | None = None  # what its process got (DevicesReport), once ready
+        # One thread reads the replica's events and keeps the state below; callers wait on it. Before
+        # 2026-12-06 each caller read the queue itself, and the controller's collection of a step's
+        # result (poll) could take the "done" a switch to rollout (leave_step) was waiting for: that
+        # switch then failed after 60 s with the replica idle.
+        self._cond = threading.Condition()
+        self._ready = False
+        self._joined: dict | None = None
+        self._done: dict | None = None  # a step's result nobody has collected yet
+        threading.Thread(target=self._read, daemon=True, name="replica-events").start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, info = self.events.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.is_alive():
+                    continue
+                with self._cond:  # waiters see the death now rather than at their timeout
+                    self._cond.notify_all()
+                return
+            except (EOFError, OSError, ValueError):  # the queue closed with the process
+                return
+            with self._cond:
+                if kind == "ready":
+                    self.devices, self._ready = info, True
+                elif kind == "joined":
+                    self._joined = info
+                elif kind == "done":
+                    self.busy, self.last_result, self._done = False, info, info
+                self._cond.notify_all()
+
+    def _wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Until ``done()`` (called under the lock), or raises when the process ends or stays silent."""
+        with self._cond:
+            self._cond.wait_for(lambda: done() or not self.process.is_alive(), timeout_s)
+            if done():
+                return
+        if not self.process.is_alive():
+            raise RuntimeError(f"the replica's process ended (exit {self.process.exitcode}) {what}")
+        raise TimeoutError(f"replica silent for {timeout_s:.0f} s {what}; its process is alive")
 
     def wait_ready(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
-        _, self.devices = self._expect("ready", timeout_s)
+        self._wait(lambda: self._ready, timeout_s, "while starting")
 
     def join(self, host: str, port: int, step: int, timeout_s: float = JOIN_TIMEOUT_S) -> dict:
-        self.leave.clear()
+        with self._cond:
+            self.leave.clear()
+            self._joined, self._done, self.busy = None, None, True
         self.commands.put(("join", host, port, step))
-        self.busy = True
-        kind, info = self._next(timeout_s)
-        if kind == "done":  # the step ended (or refused it) before it could count
-            self.busy, self.last_result = False, info
-            return {"late": True, **info}
-        return info
+        self._wait(lambda: self._joined is not None or not self.busy, timeout_s, f"joining step {step}")
+        with self._cond:
+            if self._joined is not None:
+                return self._joined
+            done, self._done = self._done or self.last_result or {}, None
+            return {"late": True, **done}  # the step ended (or refused it) before it could count
 
     def leave_step(self, timeout_s: float = 60.0) -> dict:
-        """Asks the replica to leave after its current micro-batch; its result (handoff timing)."""
-        if not self.busy:
-            return {"idle": True}
-        self.leave.set()
-        _, result = self._expect("done", timeout_s)
-        self.busy, self.last_result = False, result
-        return result
+        """Asks the replica to leave after its current micro-batch; its result (handoff timing). A
+        step that ended meanwhile, its result collected or not, counts as left."""
+        with self._cond:
+            if not self.busy:
+                done, self._done = self._done, None
+                return done if done is not None else {"idle": True}
+            self.leave.set()
+        self._wait(lambda: not self.busy, timeout_s, "leaving its step")
+        with self._cond:
+            self._done = None
+            return self.last_result or {}
 
     def poll(self) -> dict | None:
-        """The result of a step the replica finished on its own (the step closed), if any."""
-        try:
-            kind, info = self.events.get_nowait()
-        except queue.Empty:
-            return None
-        if kind == "done":
-            self.busy, self.last_result = False, info
-        return info
-
-    def _next(self, timeout_s: float) -> tuple[str, dict]:
-        try:
-            return self.events.get(timeout=timeout_s)
-        except queue.Empty:
-            alive = "alive" if self.process.is_alive() else f"dead (exit {self.process.exitcode})"
-            raise TimeoutError(f"replica silent for {timeout_s:.0f} s; its process is {alive}") from None
-
-    def _expect(self, kind: str, timeout_s: float) -> tuple[str, dict]:
-        got, info = self._next(timeout_s)
-        if got != kind:
-            raise RuntimeError(f"replica said {got!r} ({info}) where {kind!r} was expected")
-        return got, info
+        """The result of a step the replica finished on its own (the step closed), once; None if none."""
+        with self._cond:
+            done, self._done = self._done, None
+            return done
 
     def stop(self) -> None:
         if self.process.is_alive():

@@ -23,7 +23,7 @@ from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.stream import StreamProducer, write_chunk
 from environments.gateway_admin import GatewayAdmin
-from scheduler.cells import CellPool, CellSpec
+from scheduler.cells import CellPool, CellSpec, Replica
 from tasks.services.stack import local_stack
 from tests.campaign_fixtures import tiny_policy
 from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
@@ -138,3 +138,40 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
             assert [c.role for c in pool.states()] == ["rollout", "rollout"]
         finally:
             pool.close()
+
+
+def test_a_step_result_collected_by_poll_still_ends_a_replicas_leave(tmp_path):
+    """The controller collects a step's result (poll) while a switch to rollout waits for it
+    (leave_step): both read one event, and before 2026-12-06 the one that lost waited 60 s for
+    another and failed the switch. Now one thread reads the events and either caller sees the
+    step end; the result is handed out once."""
+    replica = Replica(tiny_policy(tmp_path / "policy"), threads=1)
+    try:
+        replica.wait_ready()
+        assert replica.devices is not None
+        with replica._cond:  # as if in a step: join() sets it so
+            replica.busy = True
+        seen: list[dict] = []
+        stop = threading.Event()
+
+        def collect() -> None:  # the controller's _drain_result, polling hard
+            while not stop.is_set():
+                if (result := replica.poll()) is not None:
+                    seen.append(result)
+
+        poller = threading.Thread(target=collect)
+        poller.start()
+        left: list[dict] = []
+        leaving = threading.Thread(target=lambda: left.append(replica.leave_step(timeout_s=20)))
+        leaving.start()
+        assert replica.leave.wait(timeout=10)  # leave_step is waiting for the step's end
+        replica.events.put(("done", {"micro_batches": [], "left": False}))  # the step closed on its own
+        leaving.join(timeout=30)
+        stop.set()
+        poller.join()
+        assert not leaving.is_alive() and left, "leave_step did not return once the step had ended"
+        assert not replica.busy and replica.last_result == {"micro_batches": [], "left": False}
+        assert left[0] == {"micro_batches": [], "left": False}, left  # what the switch times its hand-off by
+        assert seen in ([], [left[0]]), seen  # poll hands a result out once at most
+    finally:
+        replica.stop()
