@@ -143,8 +143,8 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
 def test_a_step_result_collected_by_poll_still_ends_a_replicas_leave(tmp_path):
     """The controller collects a step's result (poll) while a switch to rollout waits for it
     (leave_step): both read one event, and before 2026-12-06 the one that lost waited 60 s for
-    another and failed the switch. Now one thread reads the events and either caller sees the
-    step end; the result is handed out once."""
+    another and failed the switch. Now one thread reads the events: the switch returns the step's
+    result, and poll hands it out once at most."""
     replica = Replica(tiny_policy(tmp_path / "policy"), threads=1)
     try:
         replica.wait_ready()

@@ -213,11 +213,11 @@ def train_step(request: TrainStepRequest) -> TrainStepReport:
     return report
 
 
-def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[TrainStepReport, CoreTrainer]:
-    """One step, and the core after it; ``core`` (kept by a serving process) is used when it is at
-    the request's step, else the core is restored."""
-    started = time.perf_counter()
-    if core is None or core.step != request.step:
+def at_step(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[CoreTrainer, bool]:
+    """The core at the start of ``request.step``: ``core`` (kept by a serving process) when it is
+    there, else restored; and whether it was restored."""
+    restored = core is None or core.step != request.step
+    if restored:
         core = restore(request)
     elif request.core is not None:
         raise ValueError("a core of several ranks runs one process per step, not a serving trainer")
@@ -226,6 +226,14 @@ def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[Trai
             f"the checkpoint {request.resume_from} is at step {core.step} (version {core.version}); "
             f"step {request.step} needs step {request.step} and version {request.step}"
         )
+    return core, restored
+
+
+def step_with(request: TrainStepRequest, core: CoreTrainer | None) -> tuple[TrainStepReport, CoreTrainer]:
+    """One step, and the core after it; ``core`` (kept by a serving process) is used when it is at
+    the request's step, else the core is restored."""
+    started = time.perf_counter()
+    core, _ = at_step(request, core)
     try:
         return _step(request, core, started), core
     except BaseException:
@@ -296,9 +304,7 @@ def serve() -> int:
             raise ValueError("a core of several ranks runs one process per step (without --serve)")
         if request.prepare:
             started = time.perf_counter()
-            restored = core is None or core.step != request.step
-            if restored:
-                core = restore(request)
+            core, restored = at_step(request, core)
             seconds = round(time.perf_counter() - started, 3)
             answer = {"step": core.step, "seconds": seconds, "restored": restored}
             print(json.dumps({"prepared": answer}), flush=True)
