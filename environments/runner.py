@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import sys
 import tempfile
@@ -34,20 +33,21 @@ from pathlib import Path
 from typing import Any
 
 from environments.dispatch_config import DispatchConfig
+from environments.execution_grade import Graded, grade_final, grade_snapshot
 from environments.gateway_admin import EXECUTIONS, GatewayAdmin, GatewayAdminError
 from environments.gateways import GatewayPool
 from environments.ledger import StepLedger, execution_id_for, group_id_for
-from environments.problems import GraderError, GradeResult, Problem, grade_workspace
+from environments.problems import Problem
 from environments.relay import LoopbackRelay, Upstreams, gateway_address
 from environments.sandbox import Sandbox
 from environments.sandbox_harness import ConfinedHarness, harness_files, relayed_url
-from environments.snapshot import UnsafeArchive
-from environments.snapshot_rows import sandbox_from_stored, store_workspace
+from environments.snapshot_rows import store_workspace
 from environments.sweep import forget_harness, own, record_harness
+from environments.workspace_tree import remove_tree
 from environments.zygote import Zygote, ZygoteLost
 from trajectory_store.schema import RewardSource, Status
 from trajectory_store.snapshots import SnapshotStore
-from trajectory_store.storage import Store, StoreError
+from trajectory_store.storage import Store
 
 log = logging.getLogger(__name__)
 HARNESS_TASKS = 512
@@ -243,14 +243,13 @@ class ExecutionRunner:
         finally:
             if not config.keep_workspaces:
                 sandbox.release()
-                shutil.rmtree(sandbox.workspace, ignore_errors=True)
-                shutil.rmtree(side, ignore_errors=True)
+                await asyncio.to_thread(_remove_quietly, sandbox.workspace, side)  # any depth: off the loop
                 self.sandboxes.discard(sandbox)
             else:  # its files stay, in a plain folder: no quota mount outlives the execution
                 try:
                     await asyncio.to_thread(sandbox.release_keeping_files)  # a copy: off the loop
                     self.sandboxes.discard(sandbox)
-                except OSError:  # its mount is released by close(), files and all
+                except Exception:  # its mount is released by close(), files and all
                     log.exception("execution %s: its workspace could not be kept", execution_id)
 
     async def _run_harness(self, problem, execution_id, registration, sandbox, side, outcome) -> None:
@@ -331,7 +330,7 @@ class ExecutionRunner:
             outcome.log_uri = self._keep_log(execution_id, log_path)
         else:
             outcome.status = "completed"
-            await self._grade(problem, sandbox.workspace, outcome, "final")
+            await self._grade(problem, sandbox.workspace, outcome)
             if config.snapshot_completed:
                 await self._snapshot_final(problem, execution_id, sandbox.workspace, outcome)
         if outcome.status == "eval_failed":
@@ -397,65 +396,56 @@ class ExecutionRunner:
         }
         return [part.format(**values) for part in command], env
 
-    async def _store_snapshot(self, problem, execution_id, workspace: Path, source: str) -> str:
-        """The workspace as snapshot rows (with the problem's starting files as its template)."""
-        return await asyncio.to_thread(
-            store_workspace,
+    async def _grade_snapshot(self, problem, execution_id, workspace: Path, outcome) -> None:
+        graded = await asyncio.to_thread(
+            grade_snapshot,
+            problem,
+            workspace,
             self.snapshots,
             self.config.step,
             execution_id,
-            workspace,
-            problem_id=problem.problem_id,
-            source=source,
-            template_files=problem.files,
+            timeout_s=self._grade_timeout(problem),
+            retries=self.config.grader_retries,
         )
-
-    async def _grade_snapshot(self, problem, execution_id, workspace: Path, outcome) -> None:
-        if not workspace.is_dir():  # nothing to grade at all
-            outcome.reward, outcome.reward_source = 0.0, "placeholder"
-            return
-        outcome.snapshot_uri = await self._store_snapshot(problem, execution_id, workspace, "timeout")
-        fresh = Path(tempfile.mkdtemp(prefix="gyre-regrade-"))
-        try:  # graded from what was stored, never from the workspace itself
-            restored = await asyncio.to_thread(
-                sandbox_from_stored, self.snapshots, outcome.snapshot_uri, fresh, secrets.token_hex(8)
-            )
-        except (UnsafeArchive, StoreError, OSError) as exc:
-            shutil.rmtree(fresh, ignore_errors=True)
-            outcome.status, outcome.reward, outcome.reward_source = "eval_failed", None, None
-            outcome.error = f"snapshot unusable: {exc}"
-            return
-        try:
-            await self._grade(problem, restored.workspace, outcome, "workspace_snapshot")
-        finally:
-            shutil.rmtree(fresh, ignore_errors=True)
+        self._record(graded, outcome)
 
     async def _snapshot_final(self, problem, execution_id, workspace: Path, outcome) -> None:
         """Stores a completed execution's final workspace; a failure is logged, never fatal: the
         execution was graded from the workspace itself."""
         try:
-            outcome.snapshot_uri = await self._store_snapshot(problem, execution_id, workspace, "final")
-        except (ValueError, OSError):
+            outcome.snapshot_uri = await asyncio.to_thread(
+                store_workspace,
+                self.snapshots,
+                self.config.step,
+                execution_id,
+                workspace,
+                problem_id=problem.problem_id,
+                source="final",
+                template_files=problem.files,
+            )
+        except Exception:  # the walk never raises for the workspace: a failure of ours, not the agent's
             log.exception("execution %s: its final workspace could not be snapshotted", execution_id)
 
-    async def _grade(self, problem: Problem, workspace: Path, outcome, source: str) -> None:
-        errors = []
-        timeout_s = (
-            problem.grade_timeout_s if problem.grade_timeout_s is not None else self.config.grade_timeout_s
+    async def _grade(self, problem: Problem, workspace: Path, outcome) -> None:
+        graded = await asyncio.to_thread(
+            grade_final,
+            problem,
+            workspace,
+            timeout_s=self._grade_timeout(problem),
+            retries=self.config.grader_retries,
         )
-        for _ in range(self.config.grader_retries + 1):
-            try:
-                result: GradeResult = await asyncio.to_thread(
-                    grade_workspace, problem, workspace, timeout_s=timeout_s
-                )
-            except GraderError as exc:
-                errors.append(str(exc))
-                continue
-            outcome.reward, outcome.reward_source = result.reward, source
-            outcome.grade = {"passed": result.passed, "total": result.total}
-            return
-        outcome.status, outcome.reward, outcome.reward_source = "eval_failed", None, None
-        outcome.error = f"the grader failed {len(errors)} times; last: {errors[-1]}"
+        self._record(graded, outcome)
+
+    def _grade_timeout(self, problem: Problem) -> float:
+        return problem.grade_timeout_s if problem.grade_timeout_s is not None else self.config.grade_timeout_s
+
+    @staticmethod
+    def _record(graded: Graded, outcome) -> None:
+        outcome.reward, outcome.reward_source, outcome.grade = graded.reward, graded.source, graded.grade
+        outcome.snapshot_uri = graded.snapshot_uri or outcome.snapshot_uri
+        outcome.error = graded.error or outcome.error
+        if graded.eval_failed:
+            outcome.status = "eval_failed"
 
     def _keep_log(self, execution_id: str, log_path: Path) -> str | None:
         if not log_path.exists():
@@ -463,6 +453,15 @@ class ExecutionRunner:
         key = self.store.path("logs", f"{execution_id}.log")
         self.store.write_bytes(key, log_path.read_bytes())
         return self.store.url(key)
+
+
+def _remove_quietly(*paths: Path) -> None:
+    """Removes an execution's folders; a failure is logged (the outcome stands)."""
+    for path in paths:
+        try:
+            remove_tree(path)
+        except OSError:
+            log.exception("could not remove %s", path)
 
 
 def builtin_harness_env() -> dict[str, str]:

@@ -378,9 +378,20 @@ class Sandbox:
             return None
         return self.limits.execution_wall_s - (time.monotonic() - self._started)
 
-    def run(self, command: str, timeout_s: float | None = None, stdin: str | None = None) -> CommandResult:
-        """Runs ``bash -c command`` in the workspace under the limits; never raises for its failure."""
-        launch = self._launch(command, timeout_s, stdin)
+    def run(
+        self,
+        command: str,
+        timeout_s: float | None = None,
+        stdin: str | None = None,
+        pass_fds: Sequence[int] = (),
+    ) -> CommandResult:
+        """Runs ``bash -c command`` in the workspace under the limits; never raises for its failure.
+
+        ``pass_fds``: open files of this process the command inherits under the same numbers (only
+        the command: the launcher and its init close them once the command has started). A file
+        opened outside every folder the command sees reaches it only this way (the built-in pytest
+        grader's report, environments/problems/pytest_grader.py)."""
+        launch = self._launch(command, timeout_s, stdin, pass_fds)
         return _deadline_result() if launch is None else self._result(launch.run())
 
     async def arun(
@@ -390,7 +401,9 @@ class Sandbox:
         launch = self._launch(command, timeout_s, stdin)
         return _deadline_result() if launch is None else self._result(await launch.arun())
 
-    def _launch(self, command: str, timeout_s: float | None, stdin: str | None) -> Launch | None:
+    def _launch(
+        self, command: str, timeout_s: float | None, stdin: str | None, pass_fds: Sequence[int] = ()
+    ) -> Launch | None:
         """The command as the launcher takes it; None when the execution's wall clock is spent."""
         timeout = self.limits.command_wall_s if timeout_s is None else timeout_s
         remaining = self.remaining_s
@@ -399,9 +412,12 @@ class Sandbox:
         if timeout <= 0:
             return None
         spec = self.spec([shutil.which("bash") or "/bin/bash", "-c", command], self.env)
+        spec["pass_fds"] = list(pass_fds)
         data = stdin.encode() if stdin is not None else None
         output, cgroups = self.limits.output_bytes, self._isolation.pids_cgroup
-        return Launch(spec, self.workspace, data, timeout, output, cgroups, self.limits.processes)
+        return Launch(
+            spec, self.workspace, data, timeout, output, cgroups, self.limits.processes, tuple(pass_fds)
+        )
 
     def spec(
         self,

@@ -101,6 +101,8 @@ class Launch:
     output_bytes: int
     cgroup_base: str | None
     processes: int
+    pass_fds: tuple[int, ...] = ()
+    """Open files the command inherits (``Sandbox.run``)."""
 
     def run(self) -> Exit:
         cgroup = make_cgroup(self.cgroup_base, self.processes)
@@ -152,6 +154,7 @@ class Launch:
             "cwd": self.cwd,
             "env": {},
             "start_new_session": True,
+            "pass_fds": self.pass_fds,
         }
 
 

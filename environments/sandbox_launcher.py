@@ -13,8 +13,8 @@ that failed.
 The spec (environments/sandbox.py builds it): workspace, hide_root, network, filesystem (which
 namespaces to make), cgroup (its folder or null), limits (SandboxLimits as a dict), argv, env, keep
 (interpreter folders, or a confined harness's files, to mount back read-only), checkout and packages
-(our source, covered), and optionally listen ({"port", "fd"}: a loopback listener of the new network
-namespace to hand the parent, see _hand_out_listener).
+(our source, covered), pass_fds (open files only the command keeps), and optionally listen ({"port",
+"fd"}: a loopback listener of the new network namespace to hand the parent, see _hand_out_listener).
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def launch(spec: dict) -> None:
         os.close(status_read)
         _init(libc, spec, status_write)
     os.close(status_write)
+    _close_passed(spec)  # they are the command's alone
     _, init_status = os.waitpid(init_pid, 0)
     reported = os.read(status_read, 64)
     # the init reports the command's raw wait status; without a report (it was killed), its own
@@ -140,6 +141,7 @@ def _init(libc: Libc, spec: dict, status_write: int) -> None:
         if command_pid == 0:
             os.close(status_write)
             _become_command(libc, spec)
+        _close_passed(spec)
         while True:
             pid, status = os.wait()
             if pid == command_pid:
@@ -148,6 +150,13 @@ def _init(libc: Libc, spec: dict, status_write: int) -> None:
     except BaseException as exc:
         os.write(2, f"{SETUP_FAILED} {exc}\n".encode())
         os._exit(SETUP_EXIT)
+
+
+def _close_passed(spec: dict) -> None:
+    """Closes the files passed for the command (``pass_fds``) in the launcher or the init."""
+    for fd in spec.get("pass_fds", []):
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _loopback_up() -> None:

@@ -36,6 +36,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from environments.sandbox import Sandbox, SandboxLimits
+from environments.workspace_tree import Found, link_inside, printable, walk
 from trajectory_store.snapshots import SnapshotEntry
 from trajectory_store.storage import Store
 
@@ -57,62 +58,61 @@ def workspace_entries(workspace: str | Path) -> list[SnapshotEntry]:
 def bounded_entries(
     workspace: str | Path, max_bytes: int | None = None, max_members: int | None = None
 ) -> tuple[list[SnapshotEntry], list[str]]:
-    """``workspace_entries`` within limits: (the entries, the paths left out). Each path's bytes
-    count against ``max_bytes`` (hard links to one file count once per link, as extraction writes
-    them), so a file that would pass it, and every entry past ``max_members``, is left out unread."""
-    root = Path(workspace).resolve()
-    found: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath, name)
-            found.append((full.relative_to(root).as_posix(), full))
-    entries: list[SnapshotEntry] = []
+    """``workspace_entries`` within limits: (the entries, the paths left out, each with why). Each
+    path's bytes count against ``max_bytes`` (hard links to one file count once per link, as
+    extraction writes them), so a file that would pass it, and every entry past ``max_members``, is
+    left out unread. The walk (environments/workspace_tree.py) never raises for what the workspace
+    holds: names no store keeps, folders too deep, links out or in a loop are left out too."""
+    root = os.path.realpath(workspace)
     skipped: list[str] = []
+
+    def leave_out(rel: str, why: str) -> None:
+        skipped.append(f"{printable(rel)} ({why})")
+
+    found = sorted(walk(root, leave_out, max_entries=max_members), key=lambda f: f.rel)
+    entries: list[SnapshotEntry] = []
     total = 0
-    for rel, full in sorted(found):
-        if max_members is not None and len(entries) >= max_members:
-            skipped.append(rel)
+    for item in found:
+        if max_bytes is not None and item.is_file and total + item.info.st_size > max_bytes:
+            leave_out(item.rel, "the byte limit")
             continue
-        if max_bytes is not None and not os.path.islink(full) and full.is_file():
-            size = os.lstat(full).st_size
-            if total + size > max_bytes:
-                skipped.append(rel)
-                continue
-        entry = _entry(root, rel, full)
+        entry = _entry(root, item, leave_out)
         if entry is None:
             continue
         if entry.kind == "file" and max_bytes is not None and total + entry.size > max_bytes:
-            skipped.append(rel)  # it grew after the size was read
+            leave_out(item.rel, "the byte limit: it grew after its size was read")
             continue
         total += entry.size
         entries.append(entry)
     return entries, skipped
 
 
-def _entry(root: Path, rel: str, full: Path) -> SnapshotEntry | None:
-    if os.path.islink(full):
-        target = full.resolve()
-        if target != root and not target.is_relative_to(root):
-            return None  # a link out of the workspace is not part of it
-        return SnapshotEntry(
-            rel, "symlink", 0o777, link_target=os.path.relpath(target, full.parent.resolve())
-        )
-    if full.is_dir():
-        return SnapshotEntry(rel, "dir", 0o755)
-    if full.is_file():
+def _entry(root: str, item: Found, leave_out: Callable[[str, str], None]) -> SnapshotEntry | None:
+    if item.is_link:
+        target = link_inside(root, item.path)
+        if target is None:
+            return None  # a link out of the workspace (or in a loop) is not part of it
+        return SnapshotEntry(item.rel, "symlink", 0o777, link_target=target)
+    if item.is_dir:
+        return SnapshotEntry(item.rel, "dir", 0o755)
+    if item.is_file:
         digest, size = hashlib.sha256(), 0
-        with open_workspace_file(full) as handle:
-            mode = 0o755 if os.fstat(handle.fileno()).st_mode & 0o111 else 0o644
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
-                size += len(chunk)
-        return SnapshotEntry(rel, "file", mode, size, digest.hexdigest())
+        try:
+            with open_workspace_file(Path(item.path)) as handle:
+                mode = 0o755 if os.fstat(handle.fileno()).st_mode & 0o111 else 0o644
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except OSError as exc:
+            leave_out(item.rel, f"a file that cannot be read ({exc.strerror})")
+            return None
+        return SnapshotEntry(item.rel, "file", mode, size, digest.hexdigest())
     return None  # sockets, fifos, devices
 
 
 def open_workspace_file(path: Path) -> BinaryIO:
     """Opens a workspace file for reading without following a link put in its place."""
-    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb")
 
 
 def snapshot_bytes(workspace: str | Path) -> bytes:

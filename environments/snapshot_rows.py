@@ -101,10 +101,10 @@ def store_workspace(
     marker = b""
     if skipped:
         logger.warning(
-            "execution %s: its snapshot left out %d paths beyond %d bytes / %d entries (first: %s)",
+            "execution %s: its snapshot left out %d paths (limits %d bytes / %d entries; first: %s)",
             execution_id, len(skipped), max_bytes, max_members, skipped[0],
         )  # fmt: skip
-        listing = f"{len(skipped)} paths left out of this snapshot (byte or entry limit):\n"
+        listing = f"{len(skipped)} paths left out of this snapshot (each with why):\n"
         marker = (listing + "".join(f"{rel}\n" for rel in skipped)).encode()[:_MARKER_BYTES]
         entries = [e for e in entries if e.path != TRUNCATED_MARKER]
         sha = hashlib.sha256(marker).hexdigest()

@@ -215,8 +215,14 @@ def test_crash_grader_failure_and_success_are_all_recorded(tmp_path):
         return tool_call("finish", summary="half")
 
     good = two_file_problem("good")
-    broken_grader = Problem(
-        **{**good.to_json(), "problem_id": "bad-grader", "checks": [], "grade_command": "exit 3"}
+    broken_grader = Problem(  # broken whatever the workspace holds: its hidden test does not parse
+        **{
+            **good.to_json(),
+            "problem_id": "bad-grader",
+            "checks": [],
+            "grader": "pytest",
+            "hidden_tests": {"tests/test_a.py": "def test_a(:\n"},
+        }
     )
     crashing = Problem(**{**good.to_json(), "problem_id": "crash", "files": {"README.md": "x\n"}})
     with scripted_stack(str(tmp_path), policy) as stack:

@@ -18,41 +18,59 @@ checkout and other workspaces invisible, CPU, memory, process and wall-clock lim
 - **the built-in pytest grader** (``Problem.grader == "pytest"``, folder problems with tests/ and
   no grade command): environments/problems/pytest_grader.py runs pytest over the hidden test
   modules from a runner outside the workspace and counts, here, only the hidden tests (an AST count
-  fixed before any agent code runs) from a report that carries a nonce only the runner knows.
+  fixed before any agent code runs) from a report the runner writes to a file outside every folder
+  the sandbox shows, through a descriptor no process the tests start inherits.
 - **a grade command** (``grade.sh`` / ``grade = "..."``, the escape hatch): a bash script run in
-  the copy after it is *neutralised* (``neutralise``: pytest configuration, conftest.py and
-  start-up hooks that the agent wrote are removed, ones it changed restored), with
+  the copy after it is *neutralised* (grading_copy.py ``neutralise``: pytest configuration,
+  conftest.py, start-up hooks and package markers on the way to the hidden tests that the agent wrote
+  are removed, ones it changed restored; modules that would shadow a hidden one removed), with
   ``PYTHONSAFEPATH=1`` (the working folder is not put first on the module path),
   ``PYTHONNOUSERSITE=1``, ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and ``GYRE_REPORT`` (a path outside
   the copy) exported. ``grade_output`` says how it reports: ``json`` (last stdout line
   ``{"passed": k, "total": n}``), ``exit_code`` (0 is 1/1, anything else 0/1) or ``junit`` (JUnit
-  XML written to ``$GYRE_REPORT``, counted per hidden test as the built-in grader counts; a missing
-  report is reward 0).
+  XML written to ``$GYRE_REPORT``, counted per hidden test as the built-in grader counts). A missing
+  report or summary is reward 0.
 
 The pytest-based graders and grade commands run the agent's code in the interpreter whose result
 they read; docs/security.md says what that leaves open. The agent's workspace is never modified.
-``GraderError`` means the grader itself failed (it could not start, or a command grader printed no
-summary): the dispatcher retries it, then marks the execution ``eval_failed``. A grade that runs out
-of time is never an error: the agent's code can hang it, so unreported tests fail (pytest graders)
-and a grade command scores 0.
+
+**A grade is total.** Whatever an agent leaves (links, loops, depth, names, sizes, special files) and
+whatever its code does while graded (deleting files, hanging, crashing the test process, filling the
+grading folder, which is a size-limited tmpfs where the kernel allows one) gives a reward in [0, 1]:
+what cannot be graded scores 0, with the reason in ``GradeResult.ungraded`` and the log.
+``GraderError`` is left for a grader that is broken whatever the workspace holds (its sandbox or its
+runner could not start, a hidden test module does not parse): the dispatcher retries it, then marks
+the execution ``eval_failed``. A grade that runs out of time is never an error: unreported tests fail
+(pytest graders) and a grade command scores 0.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from environments.problems import pytest_grader
-from environments.problems.grading_copy import grading_copy
-from environments.problems.problem import Check, Problem, tail, write_text
+from environments.problems.grading_copy import (
+    GRADE_COPY_BYTES,
+    GRADE_COPY_ENTRIES,
+    grading_copy,
+    neutralise,
+    place_hidden_file,
+    unshadow_hidden_modules,
+)
+from environments.problems.problem import Check, Problem, tail
 from environments.sandbox import CommandResult, Sandbox, SandboxLimits, SandboxSetupError
+from environments.sandbox_host import mount_quota, unmount
+from environments.workspace_tree import remove_tree
+
+logger = logging.getLogger(__name__)
 
 CHECK_WALL_S = 5.0
 """Wall clock of one hidden check's probe (its interpreter start included)."""
@@ -79,16 +97,14 @@ def lines_of(path):
         out.pop()
     return out
 """
-NEUTRALISED_NAMES = frozenset(
-    {"conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg"}
-    | {"sitecustomize.py", "usercustomize.py"}
-)
-"""Files that configure pytest or Python's start-up: in a command grader's copy, any of these the
-agent wrote is removed and any it changed is restored from the template (see ``neutralise``)."""
+GRADE_BOX_BYTES = GRADE_COPY_BYTES + (256 << 20)
+"""Size of the tmpfs a grade runs in: the copy, and what the grader and the agent's code write."""
+GRADE_BOX_FILES = GRADE_COPY_ENTRIES + 10_000
 
 
 class GraderError(RuntimeError):
-    """The grader itself failed (could not start, or printed no summary): the execution is not graded."""
+    """The grader is broken whatever the workspace holds (its sandbox or runner could not start, a
+    hidden test does not parse): retried, then the execution is ``eval_failed``, never trained on."""
 
 
 @dataclass
@@ -101,6 +117,8 @@ class GradeResult:
     total: int
     log: str
     """per-check verdicts (checks) or the tail of the grader's stdout and stderr (command)"""
+    ungraded: str | None = None
+    """Why the workspace could not be graded and scored 0 (None: it was graded)."""
 
 
 def grading_limits(timeout_s: float) -> SandboxLimits:
@@ -114,36 +132,71 @@ def grade_workspace(
     """Grades a fresh copy of ``workspace`` with the problem's grader (see the module docstring).
 
     ``timeout_s`` bounds the whole grade; ``limits`` overrides ``grading_limits``. Raises GraderError
-    when the grader itself fails; a failed check or test is a lower reward, never an error.
+    only when the grader itself is broken; whatever the workspace holds gives a reward in [0, 1].
     """
     source = Path(workspace)
     if not source.is_dir():
         raise GraderError(f"problem {problem.problem_id}: workspace {source} is not a directory")
-    with tempfile.TemporaryDirectory(prefix="gyre-grade-") as tmp:
-        # box/ is what a command sees: the copy, and beside it (never inside) the grader's own files
-        box = Path(tmp) / "box"
-        copy = box / "workspace"
+    tmp = Path(tempfile.mkdtemp(prefix="gyre-grade-"))
+    # box/ is what a command sees: the copy, and beside it (never inside) the grader's own files;
+    # the grader's report lives in tmp, which no command sees
+    box = tmp / "box"
+    box.mkdir()
+    quota = mount_quota(box, GRADE_BOX_BYTES, GRADE_BOX_FILES)
+    try:
+        result = _grade_in(problem, source, tmp, box, timeout_s, limits or grading_limits(timeout_s))
+    finally:
+        if quota:
+            unmount(box)
+        remove_tree(tmp)  # the agent's code may have left a tree of any depth in box/
+    return result
+
+
+def _grade_in(
+    problem: Problem, source: Path, tmp: Path, box: Path, timeout_s: float, limits: SandboxLimits
+) -> GradeResult:
+    copy = box / "workspace"
+    try:
         notes = grading_copy(problem, source, copy)
         for rel, text in problem.hidden_tests.items():
             place_hidden_file(copy, rel, text)
-        limits = limits or grading_limits(timeout_s)
-        try:
-            if problem.checks:
-                result = _grade_checks(problem, Sandbox(copy, limits, hide_root=tmp), timeout_s)
-            else:
-                notes += neutralise(copy, problem.files) + unshadow_hidden_modules(copy, problem)
-                sandbox = Sandbox(box, limits, hide_root=tmp)
-                if problem.grader == "pytest":
-                    result = _grade_pytest(problem, sandbox, copy, timeout_s)
-                else:
-                    result = _grade_command(problem, sandbox, copy, timeout_s)
-        except SandboxSetupError as exc:
-            raise GraderError(
-                f"problem {problem.problem_id}: the grading sandbox could not start: {exc}"
-            ) from None
+        if not problem.checks:
+            notes += neutralise(copy, problem) + unshadow_hidden_modules(copy, problem)
+    except Exception as exc:  # a workspace no copy could take scores 0: never an error
+        logger.exception("problem %s: the grading copy of %s failed", problem.problem_id, source)
+        return ungraded(problem, f"the grading copy failed: {type(exc).__name__}: {exc}")
+    try:
+        if problem.checks:
+            result = _grade_checks(problem, Sandbox(copy, limits, hide_root=tmp), timeout_s)
+        elif problem.grader == "pytest":
+            result = _grade_pytest(problem, Sandbox(box, limits, hide_root=tmp), copy, tmp, timeout_s)
+        else:
+            result = _grade_command(problem, Sandbox(box, limits, hide_root=tmp), copy, timeout_s)
+    except SandboxSetupError as exc:
+        raise GraderError(
+            f"problem {problem.problem_id}: the grading sandbox could not start: {exc}"
+        ) from None
+    except GraderError:
+        raise
+    except Exception as exc:  # what the agent's code left behind must not escape its 0
+        logger.exception("problem %s: grading %s failed", problem.problem_id, source)
+        return ungraded(problem, f"grading failed: {type(exc).__name__}: {exc}")
     if notes:
         result.log = tail("[grading copy] " + "; ".join(notes) + "\n" + result.log)
     return result
+
+
+def ungraded(problem: Problem, why: str) -> GradeResult:
+    """Reward 0 for a workspace that could not be graded, saying why."""
+    total = len(problem.checks) or len(_safe_test_ids(problem)) or 1
+    return GradeResult(reward=0.0, passed=0, total=total, log=f"ungraded, scored 0: {why}", ungraded=why)
+
+
+def _safe_test_ids(problem: Problem) -> list[str]:
+    try:
+        return pytest_grader.hidden_test_ids(problem.hidden_tests)
+    except SyntaxError:
+        return []
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -210,82 +263,27 @@ def _shell_quote(text: str) -> str:
 # ------------------------------------------------------------------------------- a grade command
 
 
-def neutralise(copy: Path, template: dict[str, str]) -> list[str]:
-    """Removes from a grading copy what could change how its grader runs, and returns what it did.
-
-    Files named in NEUTRALISED_NAMES (anywhere in the tree) that the template lacks are removed,
-    ones the agent changed are restored to the template's text; ``__pycache__`` folders and ``.pyc``
-    files are removed (byte code is compiled afresh from the sources the grader sees).
-    """
-    actions = []
-    for dirpath, dirnames, filenames in os.walk(copy):
-        for name in list(dirnames):
-            if name == "__pycache__":
-                shutil.rmtree(Path(dirpath, name), ignore_errors=True)
-                dirnames.remove(name)
-                actions.append(f"removed {Path(dirpath, name).relative_to(copy).as_posix()}/")
-        for name in filenames:
-            path = Path(dirpath, name)
-            rel = path.relative_to(copy).as_posix()
-            if name.endswith(".pyc"):
-                path.unlink()
-                actions.append(f"removed {rel}")
-            elif name in NEUTRALISED_NAMES:
-                if rel in template and not path.is_symlink() and _read(path) == template[rel]:
-                    continue
-                path.unlink()
-                if rel in template:
-                    write_text(copy, rel, template[rel])
-                    actions.append(f"restored {rel}")
-                else:
-                    actions.append(f"removed {rel}")
-    return actions
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def unshadow_hidden_modules(copy: Path, problem: Problem) -> list[str]:
-    """Removes workspace-root modules named like a hidden Python file (``test_calc.py`` beside a
-    hidden ``tests/test_calc.py``): on the module path they would be imported in its place."""
-    actions = []
-    hidden_dirs = {PurePosixPath(rel).parent.as_posix() for rel in problem.hidden_tests}
-    if "." in hidden_dirs:
-        return actions
-    for rel in problem.hidden_tests:
-        stem = PurePosixPath(rel).stem
-        if not rel.endswith(".py") or stem == "__init__":
-            continue
-        for shadow in (copy / f"{stem}.py", copy / stem):
-            if shadow.is_symlink() or shadow.is_file():
-                shadow.unlink()
-            elif shadow.is_dir():
-                shutil.rmtree(shadow)
-            else:
-                continue
-            actions.append(f"removed {shadow.name} (it shadows the hidden {rel})")
-    return actions
-
-
-def _grade_pytest(problem: Problem, sandbox: Sandbox, copy: Path, timeout_s: float) -> GradeResult:
-    """The built-in pytest grader (environments/problems/pytest_grader.py)."""
+def _grade_pytest(problem: Problem, sandbox: Sandbox, copy: Path, tmp: Path, timeout_s: float) -> GradeResult:
+    """The built-in pytest grader (environments/problems/pytest_grader.py): its report is a file in
+    ``tmp`` (which no sandboxed command sees) that the runner reaches only through the descriptor it
+    inherits and closes on exec."""
     expected = _hidden_test_ids(problem)
     nonce = secrets.token_hex(16)
-    report = sandbox.workspace / "gyre-pytest-report.jsonl"
-    runner = pytest_grader.runner_source(
-        nonce=nonce,
-        workspace=str(copy.resolve()),
-        report=str(report),
-        config=str(sandbox.workspace / "gyre-pytest.ini"),
-        modules=pytest_grader.hidden_test_modules(problem.hidden_tests),
-    )
-    sandbox.env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    command = f"exec {_shell_quote(sys.executable)} -I -B -"
-    result = sandbox.run(command, timeout_s=timeout_s, stdin=runner)
+    report = tmp / "pytest-report.jsonl"
+    fd = os.open(report, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        runner = pytest_grader.runner_source(
+            nonce=nonce,
+            workspace=str(copy.resolve()),
+            report_fd=fd,
+            config=str(sandbox.workspace / "gyre-pytest.ini"),
+            modules=pytest_grader.hidden_test_modules(problem.hidden_tests),
+        )
+        sandbox.env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        command = f"exec {_shell_quote(sys.executable)} -I -B -"
+        result = sandbox.run(command, timeout_s=timeout_s, stdin=runner, pass_fds=(fd,))
+    finally:
+        os.close(fd)
     started, outcomes, notes = pytest_grader.read_report(report, nonce)
     output = result.stdout + ("\n[stderr]\n" + result.stderr if result.stderr.strip() else "")
     if not started:  # nothing of the agent's runs before the start line: the grader is broken
@@ -337,10 +335,11 @@ def _grade_command(problem: Problem, sandbox: Sandbox, copy: Path, timeout_s: fl
     try:
         passed, total = parse_grade_output(result.stdout)
     except GraderError as exc:
+        # the agent's code runs in this command and can stop it before its summary: that scores 0
+        # (`gyre suite check` finds a grade script that prints no summary on its own)
         limit = f", stopped by its {result.limit} limit" if result.limit else ""
-        raise GraderError(
-            f"problem {problem.problem_id}: {exc} (exit code {result.returncode}{limit})\n{log}"
-        ) from None
+        why = f"{exc} (exit code {result.returncode}{limit})"
+        return GradeResult(reward=0.0, passed=0, total=1, log=tail(f"scored 0: {why}\n{log}"), ungraded=why)
     return GradeResult(reward=passed / total, passed=passed, total=total, log=log)
 
 
@@ -358,7 +357,7 @@ def run_grade_command(command: str, sandbox: Sandbox, timeout_s: float) -> Comma
         shim = sandbox.workspace / ".gyre_bin"
         if shim.is_symlink() or shim.is_file():
             shim.unlink()
-        shutil.rmtree(shim, ignore_errors=True)
+        remove_tree(shim)
         shim.mkdir()
         (shim / "python").symlink_to(sys.executable)
         sandbox.env["PATH"] = f"{shim}{os.pathsep}{sandbox.env['PATH']}"
@@ -391,16 +390,3 @@ def parse_grade_output(stdout: str) -> tuple[int, int]:
     if total <= 0 or not 0 <= passed <= total:
         raise GraderError(f"grader output needs 0 <= passed <= total and total > 0: {last[:200]!r}")
     return passed, total
-
-
-def place_hidden_file(root: Path, rel: str, text: str) -> None:
-    """Writes a hidden file; whatever the agent left on its path (a link out, a folder) gives way."""
-    current = root
-    for part in PurePosixPath(rel).parts:
-        current = current / part
-        # a link could point out of the copy; a file where a folder belongs would block mkdir
-        if current.is_symlink() or (current.is_file() and current != root / rel):
-            current.unlink()
-    if (root / rel).is_dir():
-        shutil.rmtree(root / rel)
-    write_text(root, rel, text)

@@ -16,9 +16,12 @@ What is taken (``Taker``):
   crosses ``/``; a pattern that matches a folder takes everything below it), still never the hidden
   paths or byte code.
 
-Every copy is bounded and never fails on what the agent left: FIFOs, sockets and devices are
-skipped (reading a FIFO would block), symlinks leading out of the workspace are dropped, and each
-path's bytes count against ``max_bytes`` as read, so hard links to one large file (which a tmpfs
+Every copy is bounded and never fails on what the agent left: it walks with
+environments/workspace_tree.py ``walk`` (no recursion, no link followed, at most ``MAX_DEPTH``
+folders deep; names no store could keep, a backslash, a control character or bytes that are not
+UTF-8, are left out, as the snapshot leaves them out), FIFOs, sockets and devices are skipped
+(reading a FIFO would block), symlinks leading out of the workspace or in a loop are dropped, and
+each path's bytes count against ``max_bytes`` as read, so hard links to one large file (which a tmpfs
 quota counts once) cannot make the copy unbounded; files beyond the budget, or beyond
 ``max_entries`` names, are skipped. Every skip is a line of the returned notes (the grade log).
 """
@@ -26,13 +29,13 @@ quota counts once) cannot make the copy unbounded; files beyond the budget, or b
 from __future__ import annotations
 
 import fnmatch
+import importlib.machinery
 import os
-import shutil
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from environments.problems.problem import Problem, write_text
+from environments.workspace_tree import link_inside, printable, remove_tree, walk
 
 GRADE_COPY_BYTES = 256 << 20
 """Bytes of files a grading copy takes (each hard link counted as its own file)."""
@@ -100,11 +103,10 @@ class CopyBudget:
     max_bytes: int = GRADE_COPY_BYTES
     max_entries: int = GRADE_COPY_ENTRIES
     used_bytes: int = 0
-    entries: int = 0
     skipped: list[str] = field(default_factory=list)
 
     def note(self, rel: str, why: str) -> None:
-        self.skipped.append(f"{rel} ({why})")
+        self.skipped.append(f"{printable(rel)} ({why})")
 
     def notes(self) -> list[str]:
         shown = self.skipped[:NOTES_SHOWN]
@@ -118,65 +120,40 @@ def grading_copy(problem: Problem, source: Path, dest: Path, budget: CopyBudget 
     Never raises for what the workspace holds."""
     budget = budget or CopyBudget()
     taker = Taker.of(problem)
-    root = source.resolve()
+    root = os.path.realpath(source)
     dest.mkdir(parents=True)
     taken: set[str] = set()
-    _copy_folder(root, root, dest, taker, budget, taken)
-    restored = restore_template(problem, root, dest, taken, taker)
+    for found in walk(root, budget.note, descend=taker.descends, max_entries=budget.max_entries):
+        rel = found.rel
+        if found.is_dir:
+            if taker.descends(rel):
+                (dest / rel).mkdir(exist_ok=True)
+        elif not taker.takes(rel):
+            continue
+        elif found.is_link:
+            target = link_inside(root, found.path)
+            if target is None:
+                budget.note(rel, "a link leading out of the workspace, or in a loop")
+            else:
+                os.symlink(target, dest / rel)
+                taken.add(rel)
+        elif found.is_file:
+            size = found.info.st_size
+            if budget.used_bytes + size > budget.max_bytes:
+                budget.note(rel, f"the copy's {budget.max_bytes} bytes were used up")
+                continue
+            budget.used_bytes += size
+            if _copy_file(Path(found.path), dest / rel, size):
+                taken.add(rel)
+            else:
+                budget.note(rel, "a file that cannot be read")
+        else:
+            budget.note(rel, "not a regular file, folder or link")
+    restored = restore_template(problem, Path(root), dest, taken, taker)
     notes = budget.notes()
     if restored:
         notes.append("template version of " + ", ".join(restored[:NOTES_SHOWN]))
     return notes
-
-
-def _copy_folder(
-    root: Path, folder: Path, dest: Path, taker: Taker, budget: CopyBudget, taken: set[str]
-) -> None:
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError as exc:
-        budget.note(folder.relative_to(root).as_posix() or ".", f"unreadable: {exc.strerror}")
-        return
-    for name in names:
-        full = folder / name
-        rel = full.relative_to(root).as_posix()
-        budget.entries += 1
-        if budget.entries > budget.max_entries:
-            budget.note(rel, f"more than {budget.max_entries} entries")
-            return
-        try:
-            info = os.lstat(full)
-        except OSError:
-            continue
-        if stat.S_ISDIR(info.st_mode):
-            if taker.descends(rel):
-                (dest / rel).mkdir(exist_ok=True)
-                _copy_folder(root, full, dest, taker, budget, taken)
-        elif stat.S_ISLNK(info.st_mode):
-            if taker.takes(rel) and _copy_link(root, full, dest / rel):
-                taken.add(rel)
-            elif taker.takes(rel):
-                budget.note(rel, "a link leading out of the workspace")
-        elif stat.S_ISREG(info.st_mode):
-            if not taker.takes(rel):
-                continue
-            if budget.used_bytes + info.st_size > budget.max_bytes:
-                budget.note(rel, f"the copy's {budget.max_bytes} bytes were used up")
-                continue
-            budget.used_bytes += info.st_size
-            if _copy_file(full, dest / rel, info.st_size):
-                taken.add(rel)
-        else:
-            budget.note(rel, "not a regular file, folder or link")
-
-
-def _copy_link(root: Path, link: Path, target_path: Path) -> bool:
-    """Copies a symlink that stays inside the workspace (as the relative link it resolves to)."""
-    target = link.resolve()
-    if target != root and not target.is_relative_to(root):
-        return False
-    os.symlink(os.path.relpath(target, link.parent.resolve()), target_path)
-    return True
 
 
 def _copy_file(source: Path, target: Path, size: int) -> bool:
@@ -227,4 +204,123 @@ def _clear_path(root: Path, rel: str) -> None:
         if current.is_symlink() or (current.is_file() and not last):
             current.unlink()
         elif last and current.is_dir():
-            shutil.rmtree(current)
+            remove_tree(current)
+
+
+# ------------------------------------------------------------------------ what tools read themselves
+
+PYTEST_CONFIG_NAMES = (
+    "pytest.toml",
+    ".pytest.toml",
+    "pytest.ini",
+    ".pytest.ini",
+    "pyproject.toml",
+    "tox.ini",
+    "setup.cfg",
+)
+"""pytest's configuration files, in the order it looks for them in every folder from the arguments
+up (pytest's docs, "Configuration file formats"; ``_pytest/config/findpaths.py`` ``locate_config``).
+tests/test_folder_grading.py reads the names from the installed pytest's own source, so a pytest that
+learns a new name fails the test until the name is here."""
+PYTEST_PLUGIN_NAMES = ("conftest.py",)
+"""Local plugins pytest imports from every folder it collects (docs: "conftest.py: local
+per-directory plugins"), ``pytest_plugins`` lists included."""
+PYTHON_STARTUP_NAMES = ("sitecustomize.py", "usercustomize.py")
+"""Modules Python's ``site`` imports at start-up from the module path (docs: the site module)."""
+NEUTRALISED_NAMES = frozenset(PYTEST_CONFIG_NAMES + PYTEST_PLUGIN_NAMES + PYTHON_STARTUP_NAMES)
+"""Files a pinned tool reads as configuration or imports on its own, wherever they lie: in a grading
+copy (pytest-based and command graders), any of these the agent wrote is removed and any it changed is
+restored from the template (``neutralise``)."""
+PATH_MARKERS = ("__init__.py", "setup.py")
+"""Files that change how pytest sees the folders from the copy's root to the hidden tests: a package
+marker makes pytest (8 and later) collect the folder as a ``Package`` and import its ``__init__.py``
+even when the tests import nothing of the agent's (docs: "pytest import mechanisms and sys.path");
+``setup.py`` makes its folder the rootdir when no configuration file is found (docs: "Initialization:
+determining rootdir and configfile")."""
+
+
+def neutralise(copy: Path, problem: Problem) -> list[str]:
+    """Removes from a grading copy what could change how its grader runs; returns what it did.
+
+    - ``NEUTRALISED_NAMES`` anywhere, and ``PATH_MARKERS`` in the root and in every folder on the
+      way to a hidden file: the agent's are removed, ones it changed restored to the template's text;
+    - ``__pycache__`` folders and ``.pyc`` files (byte code is compiled afresh from the sources the
+      grader sees), and ``*.dist-info`` / ``*.egg-info`` folders (their entry points declare plugins).
+    """
+    template = problem.files
+    markers = {_join(folder, name) for folder in _folders_to_hidden(problem) for name in PATH_MARKERS}
+    actions = []
+    for dirpath, dirnames, filenames in os.walk(copy):  # the copy is at most MAX_DEPTH deep
+        for name in list(dirnames):
+            if name == "__pycache__" or name.endswith((".dist-info", ".egg-info")):
+                remove_tree(Path(dirpath, name))
+                dirnames.remove(name)
+                actions.append(f"removed {Path(dirpath, name).relative_to(copy).as_posix()}/")
+        for name in filenames:
+            path = Path(dirpath, name)
+            rel = path.relative_to(copy).as_posix()
+            if name.endswith(".pyc"):
+                path.unlink()
+                actions.append(f"removed {rel}")
+            elif name in NEUTRALISED_NAMES or rel in markers:
+                if rel in problem.hidden_tests:
+                    continue
+                if rel in template and not path.is_symlink() and _read(path) == template[rel]:
+                    continue
+                path.unlink()
+                if rel in template:
+                    write_text(copy, rel, template[rel])
+                    actions.append(f"restored {rel}")
+                else:
+                    actions.append(f"removed {rel}")
+    return actions
+
+
+def _folders_to_hidden(problem: Problem) -> set[str]:
+    """The root ("") and every folder from it to a hidden file's folder."""
+    folders = {""}
+    for rel in problem.hidden_tests:
+        parts = PurePosixPath(rel).parts[:-1]
+        folders.update("/".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+    return folders
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def unshadow_hidden_modules(copy: Path, problem: Problem) -> list[str]:
+    """Removes what the import system would load in place of a hidden Python file ``dir/stem.py``:
+    in the copy's root (first on a grade command's module path) and beside the hidden file, a
+    package folder ``stem/``, a module ``stem.py`` and an extension module ``stem.<suffix>`` (Python's
+    path finder takes a package folder and then an extension before the source file: every suffix
+    of ``importlib.machinery.all_suffixes`` is tried)."""
+    actions = []
+    suffixes = importlib.machinery.all_suffixes()
+    for rel in sorted(problem.hidden_tests):
+        hidden = PurePosixPath(rel)
+        if hidden.suffix != ".py" or hidden.stem == "__init__":
+            continue
+        beside = hidden.parent.as_posix()
+        for folder in sorted({"", "" if beside == "." else beside}):
+            for name in [hidden.stem, *(hidden.stem + suffix for suffix in suffixes)]:
+                shadow_rel = _join(folder, name)
+                shadow = copy / shadow_rel
+                if shadow_rel in problem.hidden_tests or not os.path.lexists(shadow):
+                    continue
+                remove_tree(shadow)
+                actions.append(f"removed {shadow_rel} (it shadows the hidden {rel})")
+    return actions
+
+
+def place_hidden_file(root: Path, rel: str, text: str) -> None:
+    """Writes a hidden file; whatever the agent left on its path (a link out, a folder) gives way."""
+    _clear_path(root, rel)
+    write_text(root, rel, text)

@@ -14,21 +14,23 @@ class in another module) are not seen by the count: write hidden tests as plain 
 **The runner.** ``runner_source`` is a short program fed to ``<this interpreter> -I -B -`` on
 stdin, so it lives outside the workspace and Python ignores the working folder and every PYTHON*
 variable. Before any test runs it marks itself non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``: no
-other process of its uid may read its memory or file descriptors), opens the report file (outside
-the workspace copy, beside it in the grading box), writes a start line, adds a last-resort import
+other process of its uid may read its memory, open its descriptors through ``/proc`` or trace it)
+and closes its report descriptor on exec. The report is a file in a folder no sandboxed command
+sees (the grading process opened it and passed the descriptor: ``Sandbox.run(pass_fds=...)``), so
+no process the tests start, and nothing in any file system the agent's code reaches, can read,
+rewrite or delete it. The runner writes a start line, adds a last-resort import
 finder for the workspace (it serves a top-level module only after the standard library and
 site-packages found none, and only to an import made by code that lives in the workspace: the real
 pytest always wins over an agent's ``pytest.py`` or ``json.py``, and pytest's own probes for
 optional modules never reach the agent's files) and runs ``pytest.main`` on the hidden test modules with plugin autoloading off
 (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), ``-p no:cacheprovider``, an empty configuration file outside
 the workspace (``-c``), ``--rootdir`` the workspace and ``--import-mode=append``. Every test phase's
-outcome becomes one JSON line of the report carrying a random nonce that only the runner knows
-(it came on stdin, is in no argument, variable or file): a child process can write to the report,
-but not a line the grading process accepts. ``read_report`` counts, in the grading process, which
-never imports agent code.
+outcome becomes one JSON line of the report, carrying a random nonce that only the runner knows
+(it came on stdin, is in no argument, variable or file), so a line from anywhere else is not
+accepted. ``read_report`` counts, in the grading process, which never imports agent code.
 
-**What this cannot stop.** The hidden tests import the agent's code into the runner's own
-interpreter, and code running in a process can change anything in it: patch pytest's reports,
+**What this cannot stop.** Hidden tests that import the agent's code bring it into the runner's
+own interpreter, and code running in a process can change anything in it: patch pytest's reports,
 find the nonce, write the report itself. A grader that must hold against that runs no agent code
 in the process that decides: checks.py probes (grading.py) or tests that start the agent's
 program as a subprocess and compare its output (docs/security.md, examples/suites/out-of-process).
@@ -120,12 +122,10 @@ START = "start"
 _RUNNER = """
 import ctypes, importlib.machinery, json, os, sys
 
-NONCE, WORKSPACE, REPORT, CONFIG, MODULES = {nonce!r}, {workspace!r}, {report!r}, {config!r}, {modules!r}
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
-except Exception:
-    pass
-_FD = os.open(REPORT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+NONCE, WORKSPACE, _FD, CONFIG, MODULES = {nonce!r}, {workspace!r}, {report_fd!r}, {config!r}, {modules!r}
+if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE = 0
+    raise SystemExit("gyre runner: prctl(PR_SET_DUMPABLE) failed: the report would be reachable")
+os.set_inheritable(_FD, False)  # no process the tests start holds it
 
 
 def _record(**fields):
@@ -182,10 +182,11 @@ _record(event="done", exit=int(code))
 """
 
 
-def runner_source(*, nonce: str, workspace: str, report: str, config: str, modules: list[str]) -> str:
-    """The runner program (module docstring): fed on stdin to ``python -I -B -``."""
+def runner_source(*, nonce: str, workspace: str, report_fd: int, config: str, modules: list[str]) -> str:
+    """The runner program (module docstring): fed on stdin to ``python -I -B -``, with the report
+    open as ``report_fd``."""
     return _RUNNER.format(
-        nonce=nonce, workspace=workspace, report=report, config=config, modules=modules, start=START
+        nonce=nonce, workspace=workspace, report_fd=report_fd, config=config, modules=modules, start=START
     )
 
 
