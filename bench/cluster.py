@@ -231,7 +231,7 @@ def campaign_on_hosts(
         "executions_recorded_twice": executions[0] - executions[1],
         "calls_recorded_twice": calls[0] - calls[1],
         "trained_twice": sum(1 for n in trained.values() if n > 1),
-        "executions_trained": [int(r.metrics["executions_trained"]) for r in records],
+        "executions_packed": [int(r.metrics["executions_packed"]) for r in records],
         "call_versions_by_step": {int(k): sorted(v) for k, v in versions.items()},
         "bytes_on_host_links": link,
         "engines_left_listening": left,

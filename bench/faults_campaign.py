@@ -200,14 +200,14 @@ def campaign_audit(config_path: Path, name: str) -> tuple[dict[str, int], dict[s
     from bench.faults_step import audit
     from environments.problems import Problem
     from flows.config import CampaignConfig
-    from tasks.campaign import choose_problems
     from tasks.commit import committed_steps
+    from tasks.problems import step_problems
 
     config = CampaignConfig.from_toml(str(config_path)).merged({"name": name})
     store = config.store.model_copy(update={"campaign": name})
     totals = Counter()
     for step in range(config.steps):
-        problems = [Problem.from_json(p) for p in choose_problems.fn(config.problems, step)]
+        problems = [Problem.from_json(p) for p in step_problems(config.problems, step)]
         totals.update(audit(store, step, (problems, config.dispatch.group_size)))
     records = committed_steps(store)
     totals["duplicated"] += trained_twice(store)
@@ -300,7 +300,7 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
     from environments.ledger import execution_id_for
     from environments.problems import Problem
     from flows.config import CampaignConfig
-    from tasks.campaign import choose_problems
+    from tasks.problems import step_problems
     from tasks.services.up import read_record
 
     ids: list[str] = []
@@ -311,7 +311,7 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
             return False
         if not ids:
             config = CampaignConfig.from_toml(str(Path(store.data_root).with_suffix(".toml")))
-            problems = [Problem.from_json(p) for p in choose_problems.fn(config.problems, step)]
+            problems = [Problem.from_json(p) for p in step_problems(config.problems, step)]
             ids.extend(
                 execution_id_for(step, problem, member, None, attempt)
                 for problem in problems

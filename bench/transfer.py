@@ -38,7 +38,7 @@ from environments.demos import demonstration
 from environments.harness import TOOLS
 from environments.problems import Problem, generate
 from flows.config import CampaignConfig
-from tasks.campaign import choose_problems
+from tasks.problems import step_problems
 from tasks.report import paired_bootstrap
 
 VALIDATION_SEED = 20000
@@ -50,7 +50,7 @@ def problem_sets(
     seen = [
         Problem.from_json(p)
         for step in range(config.steps if steps is None else steps)
-        for p in choose_problems.fn(config.problems, step)
+        for p in step_problems(config.problems, step)
     ]
     unseen = [
         problem
@@ -96,7 +96,7 @@ def per_update(
     for t in range(steps):
         demos = [
             render(tokenizer, demonstration(Problem.from_json(p)), TOOLS)
-            for p in choose_problems.fn(config.problems, t)
+            for p in step_problems(config.problems, t)
         ]
         own.append(score(policy[t + 1], demos)[:, 0] - score(policy[t], demos)[:, 0])
         other.append(unseen_scores[t + 1][:, 0] - unseen_scores[t][:, 0])

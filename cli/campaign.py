@@ -5,6 +5,7 @@ gyre up [--config configs/demo.toml]       Prefect server + UI, rollout engines,
 gyre status                                 each service with its pid, address and health
 gyre down                                   stops what `gyre up` started, nothing else
 gyre run [--config configs/demo.toml]       up + the campaign (progress on stderr) + a summary
+         [--check]                          ... only the checks it makes first (cli/run_check.py), nothing started
          [--policy DIR]                     ... starting from another policy (any Llama/Qwen2/Qwen3/Mistral folder)
 gyre deploy [--file deployments/prefect.yaml]   the scheduled campaigns, on the server
 gyre deploy --cells campaign.toml           the cells of its [cluster] hosts, one deployment a host
@@ -42,6 +43,12 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     run.add_argument("--data-root", default=None, help="override [store].data_root")
     run.add_argument("--steps", type=int, default=None, help="override steps")
     run.add_argument("--name", default=None, help="override the campaign's name")
+    run.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the config, the policy folder and every suite's problems, splits and ids, then "
+        "exit (nothing is started; gyre run does the same check first)",
+    )
 
     up = commands.add_parser(
         "up", help="start a Prefect server (with its UI), the rollout engines and the gateway"
@@ -221,21 +228,24 @@ def run_campaign_command(args: argparse.Namespace) -> int:
     raise ValueError(f"unknown command {args.command!r}")
 
 
+def _ports(args: argparse.Namespace) -> dict[str, int]:
+    return {
+        name: getattr(args, name, default)
+        for name, default in (("prefect_port", 4200), ("gateway_port", 8200), ("engine_port", 8100))
+    }
+
+
 def _up(args: argparse.Namespace, quiet: bool):
     from tasks.services.up import up
 
     config = _config(args)
     check_policy(config.policy)
-    ports = {
-        name: getattr(args, name, default)
-        for name, default in (("prefect_port", 4200), ("gateway_port", 8200), ("engine_port", 8100))
-    }
     record = up(
         config.store.data_root,
         config.policy,
         config.serving,
         prefect_api_url=settings.prefect_api_url(),
-        **ports,
+        **_ports(args),
     )
     if not quiet:
         _status(config.store.data_root)
@@ -347,7 +357,7 @@ class Progress:
     def _held_out_executions(self) -> int:
         """Generated suites give per_suite held-out problems each; a finite suite its held_out part."""
         if self.held_out is None:
-            from tasks.campaign import held_out_problems
+            from tasks.problems import held_out_problems
 
             evaluation = self.config.evaluation
             problems = self.config.problems
@@ -396,7 +406,17 @@ class Progress:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from cli.run_check import check_campaign, say
+
     config = _config(args)
+    path = args.config or DEMO_CONFIG
+    check = check_campaign(config, path)  # before anything starts (cli/run_check.py)
+    say(check, path, every_line=args.check)
+    if check.errors:
+        return 1
+    if args.check:
+        return 0
+    settings.configure_prefect(settings.data_root_of(args))  # creates the data root: only now
     if config.cluster is not None:  # the cells run on the hosts: nothing of `gyre up` is needed here
         api_url = settings.prefect_api_url()
         if api_url is None:
@@ -407,10 +427,25 @@ def _run(args: argparse.Namespace) -> int:
             )
             return 2
         ui_url, services_note = api_url.removesuffix("/api"), "the cells stop with the campaign"
+        watched = None
     else:
-        record = _up(args, quiet=True)
+        from tasks.services.up import campaign_stack
+
+        data_root, api = config.store.data_root, settings.prefect_api_url()
+        record, shared = campaign_stack(
+            data_root, config.policy, config.serving, prefect_api_url=api, **_ports(args)
+        )
         api_url, ui_url = record.prefect_api_url, record.prefect_ui_url or record.prefect_api_url
         services_note = "`gyre down` stops the services"
+        watched = {"on_revive": _say_revived}  # a service that dies while the campaign runs starts again
+        if not shared:  # gyre up's stack serves another policy: it stays as it is (tasks/services/up.py)
+            print(
+                f"gyre up's services serve policy {record.policy}: this campaign starts engines and a gateway "
+                f"of its own for {config.policy}, beside them, for its duration",
+                flush=True,
+            )
+            services_note = "its engines stopped with it; `gyre down` stops gyre up's services"
+            watched["only"] = ("prefect",)  # of gyre up's services, only the Prefect server is the campaign's
     print(f"Prefect UI: {ui_url}/runs  (campaign {config.name})", flush=True)
     from tasks.tracking import open_commands
 
@@ -428,12 +463,9 @@ def _run(args: argparse.Namespace) -> int:
     from tasks.services.zombies import HEARTBEAT_S
 
     beating = {PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}
-    stop = threading.Event()  # while the campaign runs, a service that dies is started again
-    if config.cluster is None:
-        supervisor = threading.Thread(
-            target=watch, args=(record.data_root, stop), kwargs={"on_revive": _say_revived}, daemon=True
-        )
-        supervisor.start()
+    stop = threading.Event()
+    if watched is not None:
+        threading.Thread(target=watch, args=(data_root, stop), kwargs=watched, daemon=True).start()
     try:
         with (
             temporary_settings(beating),
@@ -457,6 +489,8 @@ def _run(args: argparse.Namespace) -> int:
     rows = [[r.step, r.version, *[round(r.metrics.get(c, 0.0), 3) for c in columns[2:]]] for r in steps]
     print(render(columns, rows))
     evaluations = committed_evaluations(store)
+    if not check.held_out:
+        print("held-out evaluation: off, no problem of any suite is held out (give a suite held_out = [ids])")
     for version, figures in evaluations.items():
         print(
             f"held-out version {version}: pass rate {figures.get('pass_rate', 0):.3f}, mean reward {figures.get('mean_reward', 0):.3f}"

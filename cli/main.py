@@ -1,6 +1,7 @@
 """The `gyre` command line (installed as .venv/bin/gyre; `gyre COMMAND --help` lists every option).
 
     gyre run [--config configs/demo.toml]              up + the demo campaign (RL from the warm start) + summary
+    gyre run --check [--config C]                      only check the config, the policy and every suite (starts nothing)
     gyre up | status | down                            the services on loopback: Prefect server + UI, engines, gateway
     gyre deploy [--file deployments/prefect.yaml]      register the scheduled campaigns; gyre worker runs them
     gyre traj demo [--config configs/demo.toml]        the store demo flow (sample trace -> trees -> packed batch)
@@ -259,8 +260,9 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
-        settings.quiet_prefect()
-    settings.configure_prefect(settings.data_root_of(args))
+        settings.quiet_prefect()  # and Prefect is configured once its check passed: a refused run
+    else:  # leaves nothing behind, not even the data root (cli/campaign.py)
+        settings.configure_prefect(settings.data_root_of(args))
     try:
         return _dispatch(args)
     except (ValueError, FileNotFoundError, OSError) as error:

@@ -16,7 +16,8 @@ import argparse
 import re
 from pathlib import Path
 
-from environments.suites import SuiteSpec
+from environments.suites import SuiteError, SuiteSpec, installed_suites
+from environments.suites.spec import NAME_PATTERN
 
 
 def add_suite_parser(commands) -> None:
@@ -45,7 +46,8 @@ def add_suite_parser(commands) -> None:
 
 
 def spec_of(target: str, name: str | None = None) -> SuiteSpec:
-    """What the user named: a path (folder or manifest), a module:function, or a suite's name."""
+    """What the user named: a path (folder or manifest), a module:function, or a suite's name; a
+    path that does not exist is refused as one (SuiteError), not taken for a suite's name."""
     if Path(target).exists():
         default = re.sub(r"[^A-Za-z0-9_]", "_", Path(target).stem) or "suite"
         return SuiteSpec(name=name or default, path=str(Path(target).resolve()))
@@ -53,11 +55,17 @@ def spec_of(target: str, name: str | None = None) -> SuiteSpec:
         return SuiteSpec(
             name=name or re.sub(r"[^A-Za-z0-9_]", "_", target.rpartition(":")[2]), entry_point=target
         )
-    return SuiteSpec(name=target)
+    known = installed_suites()
+    if target in known:
+        return SuiteSpec(name=target)
+    raise SuiteError(
+        f"no such folder or file: {Path(target).absolute()}"
+        + (f" (nor a suite of that name: {', '.join(sorted(known))})" if NAME_PATTERN.match(target) else "")
+    )
 
 
 def run_suite_command(args: argparse.Namespace) -> int:
-    from environments.suites import check_suite, installed_suites
+    from environments.suites import check_suite
 
     if args.suite_command == "list":
         for name, target in sorted(installed_suites().items()):

@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from environments.harness import HarnessConfig
+from environments.harness_config import HarnessConfig
 
 
 @dataclass

@@ -36,8 +36,9 @@ from typing import Any
 
 import openai
 
+from environments.harness_config import HarnessConfig
 from environments.problems import PublicProblem
-from environments.sandbox import Sandbox, SandboxLimits, SandboxViolation
+from environments.sandbox import Sandbox, SandboxViolation
 from environments.tools import TOOL_NAMES, TOOL_SPECS
 
 SYSTEM_PROMPT = (
@@ -71,49 +72,6 @@ def _tool(name: str) -> dict[str, Any]:
 
 TOOLS = [_tool(name) for name in TOOL_NAMES]
 SUB_AGENT_TOOLS = [t for t in TOOLS if t["function"]["name"] != "delegate"]
-
-
-@dataclass
-class HarnessConfig:
-    """How the built-in agent behaves (one section of the rollout config)."""
-
-    model: str = "policy"
-    """Model name sent to the gateway (it serves one policy; the name is informational)."""
-    max_turns: int = 12
-    """Tool-using turns of the main agent before it stops on its own (the dispatcher's deadline may stop
-    it earlier)."""
-    sub_max_turns: int = 4
-    """Turns of each sub-agent."""
-    max_subagents: int = 2
-    """Delegations per execution; more are answered with an error result."""
-    context_budget_tokens: int = 2048
-    """Compress (summary call + new context) once a call's prompt + output pass this many tokens."""
-    max_tokens: int = 192
-    """Output tokens per call."""
-    summary_max_tokens: int = 128
-    """Output tokens of a summary (context-compression) call."""
-    temperature: float = 1.0
-    """Sampling temperature of every call (0: greedy)."""
-    max_retries: int = 2
-    """Re-samples from the same context after a failed call or step (each one is a branch)."""
-    connection_retries: int = 3
-    """Sends a call again after its connection failed (the gateway died before answering: the relay
-    then reaches the execution's standby gateway, environments/relay.py); no answer was recorded, so
-    this is no branch and takes none of max_retries."""
-    seed: int = 0
-    """Base sampling seed; every call gets its own seed derived from it, so reruns are reproducible."""
-    command_timeout_s: float = 20.0
-    """Wall-clock limit of one shell command the agent runs (the sandbox kills it there)."""
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HarnessConfig:
-        data = dict(data)
-        limits = SandboxLimits(**data.pop("limits", {}))
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown harness config fields {sorted(unknown)}")
-        return cls(**data, limits=limits)
 
 
 @dataclass
@@ -275,7 +233,10 @@ class Harness:
 
         try:
             if name == "list_files":
-                return "\n".join(sandbox.list_files(arguments.get("path") or ".")) or "(no files)", None
+                folder = arguments.get("path") or "."
+                if not isinstance(folder, str):
+                    raise StepFailed("list_files needs a string argument 'path'")
+                return "\n".join(sandbox.list_files(folder)) or "(no files)", None
             if name == "read_file":
                 return sandbox.read_file(arg("path")), None
             if name == "write_file":
@@ -300,7 +261,10 @@ class Harness:
             self.stats.violations.append(str(exc))
             self.stats.tool_errors += 1
             raise StepFailed(f"refused: {exc}") from exc
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, UnicodeDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            # whatever the workspace makes a file tool meet (a loop, a full disk, a NUL in a path)
+            # is the tool's answer, never the harness's crash: a crashed execution is never trained
+            # on, so a crash would be an escape from its reward
             self.stats.tool_errors += 1
             return f"error: {exc}", None
         self.stats.tool_errors += 1

@@ -72,6 +72,7 @@ from environments.sandbox_host import (
     which_limit,
 )
 from environments.sandbox_launcher import SETUP_EXIT, SETUP_FAILED
+from environments.workspace_tree import link_inside, walk
 
 logger = logging.getLogger(__name__)
 
@@ -275,9 +276,9 @@ class Sandbox:
         if self.disk_quota_enforced:
             return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree
         total, count = 0, 0
-        for dirpath, dirnames, filenames in os.walk(self.workspace):
-            count += len(dirnames) + len(filenames)
-            total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in filenames)
+        for item in walk(self.workspace, lambda rel, why: None, max_depth=1 << 20, max_path_bytes=1 << 20):
+            count += 1
+            total += item.info.st_size if not item.is_dir else 0
         return total, count
 
     # -- path-checked file tools --------------------------------------------------------------
@@ -289,7 +290,7 @@ class Sandbox:
         candidate = Path(path)
         if not candidate.is_absolute():
             candidate = self.workspace / candidate
-        resolved = candidate.resolve()
+        resolved = Path(os.path.realpath(candidate))  # Path.resolve raises on a symlink loop
         if resolved != self.workspace and not resolved.is_relative_to(self.workspace):
             reason = "leads outside the workspace"
             if not Path(os.path.normpath(candidate)).is_relative_to(self.workspace):
@@ -316,16 +317,19 @@ class Sandbox:
         self._write(path, text.encode())
 
     def list_files(self, path: str = ".") -> list[str]:
-        """Files under ``path``, relative to the workspace, sorted; caches like __pycache__ skipped."""
+        """Files under ``path`` (and links to files inside the workspace), relative to the workspace,
+        sorted; caches like __pycache__ skipped. Bounded like every walk of an agent's tree
+        (environments/workspace_tree.py): no recursion, names and depths it cannot keep left out."""
         top = self.resolve(path)
+        prefix = top.relative_to(self.workspace).as_posix()
         found = []
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
-            for name in filenames:
-                full = Path(dirpath, name)
-                real = full.resolve()
-                if real.is_file() and real.is_relative_to(self.workspace):
-                    found.append(full.relative_to(self.workspace).as_posix())
+        for item in walk(
+            top, lambda rel, why: None, descend=lambda rel: rel.rsplit("/", 1)[-1] not in SKIP_DIRS
+        ):
+            if item.is_file or (
+                item.is_link and os.path.isfile(item.path) and link_inside(str(self.workspace), item.path)
+            ):
+                found.append(item.rel if prefix == "." else f"{prefix}/{item.rel}")
         return sorted(found)
 
     def _refuse(self, message: str) -> None:

@@ -306,14 +306,15 @@ def pids_cgroup_base(detail: list[str]) -> str | None:
 
 
 # -- workspace quota mounts ---------------------------------------------------------------------------
-def mount_quota(workspace: Path, disk_bytes: int, disk_files: int) -> bool:
+def mount_quota(workspace: Path, disk_bytes: int, disk_files: int, *, warn: bool = True) -> bool:
     """Makes ``workspace`` a tmpfs of ``disk_bytes`` and ``disk_files`` inodes; False (with a loud
-    warning) where the kernel refuses the mount."""
+    warning, unless ``warn`` is False) where the kernel refuses the mount."""
     options = f"mode=755,size={disk_bytes},nr_inodes={disk_files}"
     try:
         Libc().mount("tmpfs", str(workspace), "tmpfs", MS_NOSUID | MS_NODEV, options)
     except OSError as exc:
-        logger.warning("WORKSPACE HAS NO DISK QUOTA: could not mount a tmpfs on %s (%s)", workspace, exc)
+        if warn:
+            logger.warning("WORKSPACE HAS NO DISK QUOTA: could not mount a tmpfs on %s (%s)", workspace, exc)
         return False
     return True
 

@@ -105,10 +105,19 @@ def _roll_out_and_pack(
 
 
 def _evaluate(config: CampaignConfig, services: Services, version: int) -> dict[str, float]:
+    """The held-out evaluation of ``version``; none (a warning) when no problem is held out."""
     store, eval_store = campaign_store(config)
+    problems = held_out_problems(config.evaluation, config.problems)
+    if not problems:
+        get_run_logger().warning(
+            "evaluation is off: no problem of any suite is held out, so version %d is not evaluated "
+            "(give a suite held_out = [ids] or a fraction)",
+            version,
+        )
+        return {}
     serve(services, Colocate().rollout(services, config.serving).serving, version, config.policy)
     figures = evaluate(
-        held_out_problems(config.evaluation, config.problems),
+        problems,
         services,
         eval_store,
         config.dispatch,

@@ -21,13 +21,19 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from tasks.campaign import DispatchConfig, EvaluationConfig, ProblemsConfig
-from tasks.schedule import SchedulerConfig
-from tasks.services.campaign import ServingConfig
-from tasks.services.cluster import ClusterConfig
-from tasks.tracking import TrackingConfig
-from tasks.train import TrainerConfig
-from tasks.trajectory import PackingConfig, SelectionConfig, StoreConfig
+from tasks.configs import (
+    ClusterConfig,
+    DispatchConfig,
+    EvaluationConfig,
+    PackingConfig,
+    ProblemsConfig,
+    SchedulerConfig,
+    SelectionConfig,
+    ServingConfig,
+    StoreConfig,
+    TrackingConfig,
+    TrainerConfig,
+)
 
 
 class CampaignConfig(BaseModel):
@@ -71,7 +77,7 @@ class CampaignConfig(BaseModel):
         if isinstance(data, dict):
             problems = unknown_keys(cls, data)
             if problems:
-                raise ValueError("; ".join(problems))
+                raise ValueError("\n  ".join(problems))
         return data
 
     @model_validator(mode="after")

@@ -23,39 +23,17 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from typing import Literal, Protocol
-
-from pydantic import BaseModel, Field
+from typing import Protocol
 
 from engines.admin import AdminClient
 from engines.devices import CellDevices
 from engines.devices.cpu_quota import CpuPartition
 from engines.train.run import TrainStepReport
 from scheduler.cells import CellPool, CellSpec, Switch
+from scheduler.config import SchedulerConfig
 from scheduler.controller import Controller, Runtime, StepWork
 from scheduler.policy import make_policy
 from scheduler.report import RunReport, StepDone
-
-
-class SchedulerConfig(BaseModel):
-    """Who decides the cells' roles during a campaign (the [scheduler] section of a campaign config)."""
-
-    policy: Literal["colocate", "async", "elastic"] | None = Field(
-        None,
-        description="None: the campaign's step flows (one rl_step subflow per step, the pool rolls out "
-        "then trains); a policy: the scheduler service runs the steps on cells (an engine and a trainer "
-        "replica each, cell 0 the core) under scheduler/policy.py's policy of that name",
-    )
-    params: dict[str, float] = Field(
-        default_factory=dict,
-        description="the policy's settings (e.g. depth, max_policy_lag, min_dwell_s for elastic; "
-        "train_cells for async); max_policy_lag defaults to the campaign's",
-    )
-    sessions_per_cell: int = Field(2, ge=1, description="executions one engine hosts at once")
-    heartbeat_timeout_s: float = Field(
-        120.0, gt=0, description="a scheduler silent this long is killed and restarted from the store"
-    )
-    restarts: int = Field(3, ge=0, description="restarts of a scheduler that died before the task fails")
 
 
 class Campaign(Runtime, Protocol):

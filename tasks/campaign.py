@@ -17,28 +17,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
 import io
 import json
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from uuid import UUID
 
 import pyarrow.parquet as pq
 from prefect import get_run_logger, task
-from prefect.artifacts import update_progress_artifact
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from prefect.artifacts import create_table_artifact, update_progress_artifact
+from pydantic import BaseModel
 
 from environments.dispatch import dispatch_missing
 from environments.dispatch_config import DispatchConfig
-from environments.harness import HarnessConfig
-from environments.problems import Problem, generate
+from environments.harness_config import HarnessConfig
+from environments.problems import Problem
 from environments.runner import ExecutionOutcome
-from environments.suites import BUILTIN, SuiteMix, SuiteSpec, record_changes
+from environments.suites import SuiteSpec, record_changes
+from tasks.problems import (
+    EvaluationConfig,
+    ProblemsConfig,
+    held_out_problems,
+    problems_for,
+    step_problems,
+    suite_mix,
+)
 from tasks.services.campaign import (
     Services,
     policy_path,
@@ -62,188 +68,40 @@ __all__ = [
     "HarnessConfig",
     "ProblemsConfig",
     "SuiteSpec",
+    "held_out_problems",
+    "problems_for",
+    "step_problems",
 ]
-
-
-_SUITE_SPEC = TypeAdapter(SuiteSpec)
-
-
-class ProblemsConfig(BaseModel):
-    """Which problems a step trains on (groups of dispatch.group_size executions each)."""
-
-    suites: list[str | SuiteSpec] = Field(
-        default_factory=lambda: ["repo"],
-        description="the problem suites: a name (a built-in generator: repo, swe, terminal, or an installed "
-        "suite) or a table { name, path, entry_point, weight, harness, held_out, validation } "
-        "(environments/suites/spec.py SuiteSpec); generated suites named alone are taken round-robin, any "
-        "other mix is apportioned by weight",
-        min_length=1,
-    )
-    difficulty: int = Field(
-        1,
-        ge=1,
-        description="how many required items a problem has (files to change, functions to write, bugs to "
-        "fix) and how many distracting files",
-    )
-    length: int = Field(
-        1, ge=1, description="how much text each item carries (lines, expression size, module size)"
-    )
-    per_step: int = Field(4, ge=1, description="problems (groups) per step")
-    seed: int = Field(
-        5000,
-        description="step n draws its problems from generator seed seed + n; keep it away from the "
-        "held-out evaluation's seed and from the warm start's (0-999 held out, 1000+ trained)",
-    )
-    zero_signal: Literal["skip", "top_up", "keep"] = Field(
-        "skip",
-        description="groups whose rewards are all equal carry no signal: skip them; top the step up with "
-        "more problems while some group has none (at most top_up_rounds rounds of per_step problems), "
-        "then skip those left; or keep them (advantage 0, they count in the loss's average)",
-    )
-    top_up_rounds: int = Field(
-        1, ge=0, description='rounds of per_step more problems at most, with zero_signal = "top_up"'
-    )
-    pool: int = Field(
-        0,
-        ge=0,
-        description="0: every step draws fresh problems (generator seed seed + n); N > 0: a fixed pool of "
-        "N problems from generator seed seed, which the steps go through in turn, per_step at a time (epochs "
-        "over a dataset; with pool = per_step, every step trains on the same problems)",
-    )
-
-    @field_validator("suites", mode="before")
-    @classmethod
-    def _suite_tables(cls, value: Any) -> Any:
-        """A table becomes a SuiteSpec here, so an error names the suite and the key (not pydantic's
-        two attempts at ``str | SuiteSpec``); a misspelt key is refused, not dropped."""
-        if not isinstance(value, list):
-            return value
-        known = [f.name for f in dataclasses.fields(SuiteSpec)]
-        specs = []
-        for entry in value:
-            if not isinstance(entry, dict):
-                specs.append(entry)
-                continue
-            name = entry.get("name", "?")
-            unknown = sorted(set(entry) - set(known))
-            if unknown:
-                raise ValueError(f"suite {name}: unknown key(s) {unknown}; a suite has {', '.join(known)}")
-            try:
-                specs.append(_SUITE_SPEC.validate_python(entry))
-            except ValidationError as exc:
-                wrong = "; ".join(
-                    ".".join(map(str, e["loc"])) + ": " + e["msg"] if e["loc"] else e["msg"]
-                    for e in exc.errors()
-                ).replace("Value error, ", "")
-                raise ValueError(wrong if wrong.startswith("suite ") else f"suite {name}: {wrong}") from None
-        return specs
-
-    @model_validator(mode="after")
-    def _unique_suite_names(self) -> ProblemsConfig:
-        names = self.suite_names
-        doubled = sorted({n for n in names if names.count(n) > 1})
-        if doubled:
-            raise ValueError(f"suites {doubled} appear more than once; each suite needs a name of its own")
-        return self
-
-    @property
-    def suite_names(self) -> list[str]:
-        return [SuiteSpec.of(s).name for s in self.suites]
-
-    @property
-    def round_robin(self) -> bool:
-        """Only built-in generators, named alone: taken round-robin, as campaigns always did (a resumed
-        campaign chooses the problems it chose before)."""
-        return all(isinstance(s, str) and s in BUILTIN for s in self.suites)
-
-    def relative_to(self, base: str | Path) -> ProblemsConfig:
-        """A copy whose suites' relative paths are taken from ``base`` (the campaign config's folder)."""
-        suites = [s.relative_to(base) if isinstance(s, SuiteSpec) else s for s in self.suites]
-        return self.model_copy(update={"suites": suites})
-
-    @model_validator(mode="after")
-    def _pool_holds_a_step(self) -> ProblemsConfig:
-        rounds = 1 + (self.top_up_rounds if self.zero_signal == "top_up" else 0)
-        if self.pool and self.pool < self.per_step * rounds:
-            raise ValueError(
-                f"problems.pool = {self.pool} is smaller than one step's problems ({self.per_step} per round x "
-                f"{rounds} round(s)): a step would run the same problem twice"
-            )
-        return self
-
-
-class EvaluationConfig(BaseModel):
-    """The held-out evaluation: at the start, every `every` steps and at the end."""
-
-    every: int = Field(0, ge=0, description="evaluate every this many steps (0: at the start and the end)")
-    per_suite: int = Field(8, ge=1, description="held-out problems per suite")
-    seed: int = Field(0, description="generator seed of the held-out problems")
-    temperature: float = Field(0.0, ge=0, description="sampling temperature of the evaluation (0: greedy)")
-    samples: int = Field(
-        1,
-        ge=1,
-        description="executions per held-out problem (more than 1 only makes sense with temperature > 0)",
-    )
-
-
-# -- problems --------------------------------------------------------------------------------
-
-
-def problems_for(
-    suites: list[str], n: int, seed: int, difficulty: int, length: int, skip: int = 0
-) -> list[Problem]:
-    """``n`` problems round-robin over ``suites`` from generator ``seed``, after the first ``skip``."""
-    per_suite = -(-(skip + n) // len(suites))
-    pools = [generate(s, per_suite, seed=seed, difficulty=difficulty, length=length) for s in suites]
-    ordered = [pools[i % len(pools)][i // len(pools)] for i in range(per_suite * len(pools))]
-    return ordered[skip : skip + n]
-
-
-def suite_mix(config: ProblemsConfig) -> SuiteMix:
-    """The suites of ``config``, opened and split (environments/suites/mix.py)."""
-    rounds = 1 + (config.top_up_rounds if config.zero_signal == "top_up" else 0)
-    return SuiteMix.open(
-        [SuiteSpec.of(s) for s in config.suites],
-        seed=config.seed,
-        per_step=config.per_step,
-        rounds=rounds,
-        difficulty=config.difficulty,
-        length=config.length,
-        pool=config.pool,
-    )
 
 
 @task(name="choose-problems", task_run_name="choose problems step {step} round {round}")
 def choose_problems(config: ProblemsConfig, step: int, round: int = 0) -> list[dict[str, Any]]:
-    if not config.round_robin:
-        return [p.to_json() for p in suite_mix(config).step_problems(step, round)]
-    if config.pool:
-        pool = problems_for(list(config.suites), config.pool, config.seed, config.difficulty, config.length)
-        start = step * config.per_step + round * config.per_step
-        return [pool[(start + i) % config.pool].to_json() for i in range(config.per_step)]
-    chosen = problems_for(
-        list(config.suites),
-        config.per_step,
-        config.seed + step,
-        config.difficulty,
-        config.length,
-        skip=round * config.per_step,
+    """The step's problems (tasks/problems.py step_problems), listed in a table artifact of this task
+    run: what the UI shows under the task."""
+    problems = step_problems(config, step, round)
+    create_table_artifact(
+        problems_table(problems),
+        description=f"the {len(problems)} problems of step {step}, round {round}",
     )
-    return [p.to_json() for p in chosen]
+    return problems
 
 
-def held_out_problems(config: EvaluationConfig, problems: ProblemsConfig) -> list[dict[str, Any]]:
-    """Generated suites: ``per_suite`` problems from the evaluation's seed; finite suites: their
-    held_out part (at most ``per_suite``)."""
-    if not problems.round_robin:
-        return [p.to_json() for p in suite_mix(problems).held_out(config.per_suite, config.seed)]
-    return [
-        p.to_json()
-        for suite in problems.suites
-        for p in generate(
-            suite, config.per_suite, seed=config.seed, difficulty=problems.difficulty, length=problems.length
+def problems_table(problems: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """One row per problem: its id, suite, grader and the first line of its instruction."""
+    rows = []
+    for problem in problems:
+        grader = "checks" if problem.get("checks") else "pytest" if problem.get("grader") else "command"
+        lines = str(problem.get("instruction", "")).strip().splitlines()
+        first = lines[0] if lines else ""
+        rows.append(
+            {
+                "problem": problem["problem_id"],
+                "suite": str(problem.get("suite", "")),
+                "grader": grader,
+                "instruction": first if len(first) <= 100 else first[:99] + "…",
+            }
         )
-    ]
+    return rows
 
 
 SPLIT_RECORD = "suites.json"

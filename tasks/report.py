@@ -42,6 +42,7 @@ STEP_COLUMNS = (
     ("train_attempts", "train attempts"),
     ("services_revived", "services revived"),
     ("executions_zero_signal", "zero-signal"),
+    ("executions_trained", "trained"),
     ("executions_stale", "stale"),
     ("tokens_naive", "tokens as sent"),
     ("tokens_unique", "unique tokens"),

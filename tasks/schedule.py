@@ -50,8 +50,8 @@ from scheduler.cells import Switch
 from scheduler.controller import Chunk, StepWork
 from scheduler.report import Outcome, StepDone
 from scheduler.service import SchedulerConfig, cell_pool, schedule_steps
-from tasks.campaign import ProblemsConfig, choose_problems
 from tasks.commit import StepRecord, StepTimes, commit_step, last_committed, write_metric_rows, write_metrics
+from tasks.problems import ProblemsConfig, step_problems
 from tasks.services.campaign import Services, ServingConfig, policy_path, serve_version
 from tasks.train import CoreService, CoreStep, step_request
 from trajectory_store.config import PackingConfig, SelectionConfig
@@ -177,7 +177,7 @@ class CampaignRuntime:
         attempt but an abandoned one) are finished, never dispatched again."""
         if self.problems is None:
             raise ValueError("this runtime was made without [problems]: give the controller its StepWork")
-        problems = choose_problems.fn(self.problems, step)
+        problems = step_problems(self.problems, step)
         ledger = step_ledger(self.store, step)
         finished = {}
         for p in problems:

@@ -32,7 +32,7 @@ def test_transfer_scores_reference_solutions_and_pairs_them_by_problem(tmp_path)
     from engines.train.sft import render
     from environments.demos import demonstration
     from environments.harness import TOOLS
-    from tasks.campaign import choose_problems
+    from tasks.problems import step_problems
     from tests.campaign_fixtures import tiny_campaign, tiny_policy
 
     before = tiny_policy(tmp_path / "a")
@@ -41,7 +41,7 @@ def test_transfer_scores_reference_solutions_and_pairs_them_by_problem(tmp_path)
     config = tiny_campaign("t", before, str(tmp_path / "data"), steps=2)
     sets = problem_sets(config, 1, None)
     assert [p.problem_id for p in sets["seen"]] == [
-        p["problem_id"] for step in range(2) for p in choose_problems.fn(config.problems, step)
+        p["problem_id"] for step in range(2) for p in step_problems(config.problems, step)
     ]
     assert len(sets["unseen"]) == 1 and sets["unseen"][0].problem_id not in {
         p.problem_id for p in sets["seen"]

@@ -66,7 +66,9 @@ def test_campaign_trains_versions_and_resumes_after_the_last_committed_step(
     records = campaign(config)
     assert [r.step for r in records] == [0, 1]
     assert [r.version for r in records] == [1, 2]
-    assert all(r.metrics["trained"] == 1.0 and r.metrics["executions_trained"] == 2 for r in records)
+    assert all(r.metrics["trained"] == 1.0 and r.metrics["executions_packed"] == 2 for r in records)
+    for r in records:  # a zero-signal group is packed (advantage 0), counts in the average, is not trained
+        assert r.metrics["executions_trained"] == 2 - r.metrics["executions_zero_signal"]
     assert all(r.metrics["tokens_trained"] > 0 for r in records)
     store, eval_store = campaign_store(config)
     first = executions_by_step(store)
@@ -122,16 +124,16 @@ def test_step_problems_are_deterministic_and_apart_from_the_held_out_ones():
 
 
 def test_a_problem_pool_is_gone_through_in_turn_and_must_hold_a_step():
-    from tasks.campaign import ProblemsConfig, choose_problems
+    from tasks.problems import ProblemsConfig, step_problems
 
     config = ProblemsConfig(suites=["repo", "terminal"], per_step=2, pool=3, seed=5000)
     pool = [p.problem_id for p in problems_for(["repo", "terminal"], 3, 5000, 1, 1)]
-    steps = [[p["problem_id"] for p in choose_problems.fn(config, step)] for step in range(3)]
+    steps = [[p["problem_id"] for p in step_problems(config, step)] for step in range(3)]
     assert steps == [pool[0:2], [pool[2], pool[0]], pool[1:3]]  # epochs over the pool, in turn
     same = ProblemsConfig(suites=["repo"], per_step=2, pool=2)
-    assert choose_problems.fn(same, 0) == choose_problems.fn(same, 7)  # pool = per_step: every step the same
+    assert step_problems(same, 0) == step_problems(same, 7)  # pool = per_step: every step the same
     fresh = ProblemsConfig(suites=["repo"], per_step=2)
-    assert choose_problems.fn(fresh, 0) != choose_problems.fn(fresh, 1)  # no pool: fresh problems per step
+    assert step_problems(fresh, 0) != step_problems(fresh, 1)  # no pool: fresh problems per step
     with pytest.raises(ValueError, match="pool = 3 is smaller than one step's problems"):
         ProblemsConfig(per_step=2, pool=3, zero_signal="top_up", top_up_rounds=1)
 
@@ -167,8 +169,9 @@ def test_step_batch_leaves_out_zero_signal_groups_and_stale_executions(store_con
     kept, counts = step_batch(
         con, PackingConfig(), 3, trained_version=3, max_policy_lag=2, skip_zero_signal=False
     )
-    assert counts["executions_trained"] == 6 and counts["executions_stale"] == 0
+    assert counts["executions_packed"] == 6 and counts["executions_stale"] == 0
     assert counts["executions_zero_signal"] == 2 and counts["zero_signal_skipped"] == 0
+    assert counts["executions_trained"] == 4  # the zero-signal group is packed (advantage 0), not trained
     assert kept.advantages["b0"] == kept.advantages["b1"] == 0.0
 
 
@@ -195,3 +198,31 @@ def test_step_progress_moves_the_artifact_as_executions_finish(prefect_harness):
 
     a_step()
     assert seen == [37.5, 50.0]  # (1 + 1/2) / 4 and (1 + 2/2) / 4, capped at the step's end
+
+
+def test_choose_problems_lists_the_problems_it_chose_in_an_artifact_of_its_task_run(prefect_harness):
+    """What the UI shows under `choose problems step 3 round 0`: a table of the problems drawn."""
+    import json
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId
+
+    from tasks.campaign import choose_problems
+    from tasks.problems import ProblemsConfig
+
+    @flow
+    def pick() -> tuple:
+        state = choose_problems(ProblemsConfig(suites=["terminal", "repo"], per_step=2), 3, return_state=True)
+        return state.state_details.task_run_id, state.result()
+
+    task_run, problems = pick()
+    by_task_run = ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run]))
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=by_task_run)
+    assert [a.type for a in artifacts] == ["table"]
+    rows = json.loads(artifacts[0].data)
+    assert [row["problem"] for row in rows] == [p["problem_id"] for p in problems]
+    assert [row["problem"] for row in rows] == ["terminal-s5003-d1l1-000", "repo-s5003-d1l1-000"]
+    assert [row["suite"] for row in rows] == ["terminal", "repo"] and all(row["instruction"] for row in rows)
+    assert "2 problems of step 3, round 0" in artifacts[0].description

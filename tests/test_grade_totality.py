@@ -11,7 +11,6 @@ and odd names, graded by the checks.py grader and the built-in pytest grader. Re
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.exploit_cases import WHILE_GRADED, deep_tree, many_files, odd_names, special_files, symlink_loops
 from environments.execution_grade import grade_final, grade_snapshot
 from environments.problems import Problem, apply_solution, load_folder, write_workspace
 from environments.workspace_tree import remove_tree
@@ -50,82 +50,20 @@ def _graded(problem: Problem, workspace: Path, data: Path) -> list[float]:
     return [final.reward, stored.reward]
 
 
-def _deep(root: Path, depth: int, name: bytes = b"d") -> None:
-    """A chain of ``depth`` folders, made relative to an open folder (it passes PATH_MAX)."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(depth):
-            os.mkdir(name, dir_fd=fd)
-            deeper = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = deeper
-        os.close(os.open(b"leaf.py", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
-    finally:
-        os.close(fd)
-
-
-def _loops(ws: Path) -> None:
-    os.symlink("b", ws / "a")
-    os.symlink("a", ws / "b")
-    os.symlink("self", ws / "self")
-    (ws / "sub").mkdir()
-    os.symlink("..", ws / "sub/up")
-    os.symlink("/proc/self/root", ws / "root")
-
-
-def _names(ws: Path) -> None:
-    for name in (b"back\\slash.py", b"\xff\xfe not utf-8.py", b"new\nline.py", b"tab\there", b"\x7f"):
-        with open(os.path.join(os.fsencode(ws), name), "wb") as handle:
-            handle.write(b"x = 1\n")
-    os.mkdir(os.path.join(os.fsencode(ws), b"\xc3(dir"))
-
-
 def _special(ws: Path) -> None:
-    os.mkfifo(ws / "words.py.fifo")
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.bind(str(ws / "sock"))
-    with open(ws / "sparse.bin", "wb") as handle:
-        handle.truncate(8 << 30)
+    special_files(ws)
     (ws / "unreadable").mkdir()
     (ws / "unreadable/x.py").write_text("x = 1\n")
     os.chmod(ws / "unreadable", 0)
 
 
-def _many(ws: Path) -> None:
-    (ws / "many").mkdir()
-    for index in range(52_000):
-        os.close(os.open(ws / "many" / f"{index}", os.O_WRONLY | os.O_CREAT))
-
-
 WORKSPACES = {
-    "symlink loops and links out": _loops,
-    "a tree 3,000 folders deep": lambda ws: _deep(ws, 3000),
-    "names no store keeps": _names,
+    "symlink loops": symlink_loops,
+    "a tree 3,000 folders deep": deep_tree,
+    "names no store keeps": odd_names,
     "FIFO, socket, 8 GiB sparse file, unreadable folder": _special,
-    "52,000 files": _many,
+    "52,000 files": many_files,
 }
-# the agent's program, run while it is graded: it deletes everything around it, leaves a tree deeper
-# than any recursion and fills the grading folder until it is full
-WHILE_GRADED = """
-import os, shutil, sys
-here = os.path.dirname(os.path.abspath(__file__))
-for victim in (os.path.dirname(here), here):
-    shutil.rmtree(victim, ignore_errors=True)
-os.makedirs(here, exist_ok=True)
-fd = os.open(here, os.O_RDONLY)
-for _ in range(3000):
-    try:
-        os.mkdir("d", dir_fd=fd)
-        fd = os.open("d", os.O_RDONLY, dir_fd=fd)
-    except OSError:
-        break
-try:
-    for index in range(10_000):
-        with open(os.path.join(here, f"fill{index}"), "wb") as handle:
-            handle.write(b"\\0" * (15 << 20))
-except OSError:
-    pass
-"""
 
 
 @pytest.mark.slow
@@ -201,7 +139,7 @@ def _apply(root: bytes, operation: tuple) -> None:
             with open(full, "wb") as handle:
                 handle.truncate(rest[0])
         elif kind == "deep":
-            _deep(Path(os.fsdecode(root)), path, rest[0])
+            deep_tree(Path(os.fsdecode(root)), path, rest[0])
         elif kind == "chmod" and not os.path.islink(full):
             os.chmod(full, rest[0])
     except OSError:

@@ -19,7 +19,7 @@ from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import Harness, HarnessConfig
 from environments.problems import Problem, grade_workspace
 from environments.problems.checks import compile_check
-from environments.sandbox import Sandbox
+from environments.sandbox import Sandbox, SandboxLimits
 from environments.snapshot import extract_snapshot
 from environments.snapshot_rows import export_snapshot
 from tests.scripted_engine import scripted_stack, tool_call
@@ -92,6 +92,42 @@ def test_every_tool_and_finish(tmp_path):
     last_prompt = calls[-1][1][: calls[-1][0]["prompt_len"]]
     text = stack_tokenizer_decode(last_prompt)
     assert "two files" in text and "wrote a.txt" in text and "beta" in text
+
+
+def test_tools_meeting_what_the_agent_made_answer_with_errors_and_never_crash(tmp_path):
+    """Loops, a tree deeper than any recursion, a full disk, a path that is not a string: a crashed
+    harness is an execution never trained on (an escape from its reward), so each is a tool answer."""
+    script = [
+        tool_call(
+            "run",
+            command="ln -s b a; ln -s a b; mkdir -p x; cd x; for i in $(seq 1500); do mkdir d; cd d; done",
+        ),
+        tool_call("read_file", path="a"),
+        tool_call("list_files", path="."),
+        tool_call("write_file", path="big.txt", content="z" * 6000),
+        tool_call("list_files", path=7),
+        tool_call("finish", summary="done"),
+    ]
+
+    def policy(text: str) -> str:
+        return script[min(turns(text), len(script) - 1)]
+
+    problem = two_file_problem()
+    registration_root = tmp_path / "ws"
+    with scripted_stack(str(tmp_path), policy) as stack:
+        registration = stack.register("hostile-1")
+        client = openai.OpenAI(
+            base_url=registration["base_url"], api_key=registration["api_key"], max_retries=0
+        )
+        limits = SandboxLimits(disk_bytes=4 << 10, disk_files=5000)  # the 6 kB write passes the quota
+        sandbox = Sandbox.create(registration_root, "hostile-1", problem.files, limits)
+        try:
+            config = HarnessConfig(max_retries=0, context_budget_tokens=30_000, max_tokens=8192)
+            stats = Harness(client, sandbox, problem, config).run()
+        finally:
+            sandbox.release()
+        stack.finish("hostile-1")
+    assert stats.status == "finished" and stats.tool_errors == 2 and len(stats.violations) == 1, stats
 
 
 def stack_tokenizer_decode(ids: list[int]) -> str:

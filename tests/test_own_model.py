@@ -257,7 +257,7 @@ def test_gyre_run_refuses_a_bad_policy_before_starting_anything(tmp_path, capsys
 
     (tmp_path / "empty").mkdir()
     code = main(["run", "--policy", str(tmp_path / "empty"), "--data-root", str(tmp_path / "data")])
-    assert code == 2
+    assert code == 1  # as `gyre run --check` says: the campaign's check found an error
     assert f"policy {tmp_path / 'empty'}: no config.json" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()  # nothing was started
 

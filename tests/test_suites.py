@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cli.main import main
+from environments.problems import generate
 from environments.suites import (
     FiniteSuite,
     GeneratedSuite,
@@ -26,7 +27,8 @@ from environments.suites import (
     open_suite,
 )
 from flows.config import CampaignConfig
-from tasks.campaign import EvaluationConfig, ProblemsConfig, choose_problems, held_out_problems, record_suites
+from tasks.campaign import record_suites
+from tasks.problems import EvaluationConfig, ProblemsConfig, held_out_problems, step_problems
 from tasks.rollout import choose_problems as rollout_problems
 from trajectory_store.storage import StoreConfig
 
@@ -250,7 +252,7 @@ def test_a_suite_too_small_for_its_share_is_refused_and_plain_names_keep_their_r
         SuiteMix.open([small], seed=0, per_step=2)
     legacy = ProblemsConfig(suites=["repo", "terminal"], per_step=2, seed=5000)
     assert legacy.round_robin
-    ids = [p["problem_id"] for p in choose_problems.fn(legacy, 0)]
+    ids = [p["problem_id"] for p in step_problems(legacy, 0)]
     assert ids == ["repo-s5000-d1l1-000", "terminal-s5000-d1l1-000"]
 
 
@@ -266,7 +268,7 @@ def test_the_campaign_config_reads_suite_tables_with_paths_beside_the_file(tmp_p
     mine = config.problems.suites[0]
     assert isinstance(mine, SuiteSpec) and mine.path == str((tmp_path / "problems").resolve())
     assert config.problems.suites[1] == "repo" and not config.problems.round_robin
-    steps = [choose_problems.fn(config.problems, step) for step in range(6)]
+    steps = [step_problems(config.problems, step) for step in range(6)]
     assert {p["suite"] for step in steps for p in step} == {"mine", "repo"}
     assert "mine-p03" not in {p["problem_id"] for step in steps for p in step}
     held = [p["problem_id"] for p in held_out_problems(config.evaluation, config.problems)]
@@ -327,7 +329,9 @@ def test_suite_check_passes_a_good_suite(tmp_path, capsys):
     path = jsonl(tmp_path / "good.jsonl", [record("a"), record("b")])
     assert main(["suite", "check", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "ok   good-a: untouched 0.00, reference 1.00"
+    assert (
+        out[0] == "ok   a: untouched 0.00, reference 1.00"
+    )  # the id held_out takes, whatever the suite's name
     assert out[-1] == "2 problem(s) checked: 2 ok, 0 failed"
 
 
@@ -347,12 +351,12 @@ def test_suite_check_names_each_broken_problem_and_exits_1(tmp_path, capsys):
     assert main(["suite", "check", str(path)]) == 1
     out = capsys.readouterr().out
     lines = {line.split(":")[0].split()[-1]: line for line in out.splitlines() if ":" in line}
-    assert "already scores 1.0" in lines["broken-solved"]
-    assert "reference solution scores 0.00, not 1.0" in lines["broken-wrongref"]
-    assert "grader did not finish within 2 s" in lines["broken-hangs"]
-    assert "grader failed" in lines["broken-noisy"] and "Traceback" not in out
+    assert "already scores 1.0" in lines["solved"]
+    assert "reference solution scores 0.00, not 1.0" in lines["wrongref"]
+    assert "grader did not finish within 2 s" in lines["hangs"]
+    assert "grader failed" in lines["noisy"] and "Traceback" not in out
     assert "FAIL" in out and f"{path} line 5" in out and "field 'instruction' is missing" in out
-    assert lines["broken-fine"].startswith("ok ")
+    assert lines["fine"].startswith("ok ")
     assert out.splitlines()[-1] == "6 problem(s) checked: 1 ok, 5 failed"
 
 
@@ -362,15 +366,90 @@ def test_suite_check_of_a_folder_names_a_malformed_problem_folder(tmp_path, caps
     assert main(["suite", "check", str(root)]) == 1
     out = capsys.readouterr().out
     assert f"FAIL {root / 'noinstr'}: malformed: instruction.md is missing" in out
-    assert "ok   suite-p00: untouched 0.00, no reference solution" in out
+    assert "ok   p00: untouched 0.00, no reference solution" in out
 
 
 def test_a_pool_of_a_generated_suite_trains_in_epochs_and_still_evaluates_from_its_seed(tmp_path):
     config = ProblemsConfig(
         suites=[{"name": "mine", "path": str(folder_suite(tmp_path / "mine", 3))}, "repo"], per_step=2, pool=2
     )
-    steps = [[p["problem_id"] for p in choose_problems.fn(config, step)] for step in range(4)]
+    steps = [[p["problem_id"] for p in step_problems(config, step)] for step in range(4)]
     repo = {i for step in steps for i in step if i.startswith("repo-")}
     assert repo == {"repo-s5000-d1l1-000", "repo-s5000-d1l1-001"}  # the pool, from generator seed seed
     held = [p["problem_id"] for p in held_out_problems(EvaluationConfig(per_suite=2), config)]
     assert held == ["repo-s0-d1l1-000", "repo-s0-d1l1-001"]  # mine has no held_out part
+
+
+def test_suite_check_names_each_problem_by_the_id_held_out_takes(tmp_path, capsys):
+    path = jsonl(tmp_path / "durations.jsonl", [record("durations"), record("other")])
+    assert main(["suite", "check", str(path)]) == 0
+    printed = [line.split()[1].rstrip(":") for line in capsys.readouterr().out.splitlines()[:-1]]
+    assert printed == ["durations", "other"]  # not durations-durations: the suite's name is the campaign's
+    config = ProblemsConfig(suites=[{"name": "mine", "path": str(path), "held_out": printed[:1]}], per_step=1)
+    assert [p["problem_id"] for p in held_out_problems(EvaluationConfig(), config)] == ["mine-durations"]
+
+
+def test_suite_check_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
+    for target in (tmp_path / "my-taks", tmp_path / "tasks.jsonl"):
+        assert main(["suite", "check", str(target)]) == 2
+        assert capsys.readouterr().err == f"gyre: error: no such folder or file: {target}\n"
+    assert main(["suite", "check", "mytasks"]) == 2  # could be a suite's name: the known ones are listed
+    assert (
+        "no such folder or file: " in (err := capsys.readouterr().err) and "nor a suite of that name: " in err
+    )
+
+
+def test_suite_check_shows_what_a_failing_solution_script_printed_and_which_tests_a_reference_fails(
+    tmp_path, capsys
+):
+    root = tmp_path / "suite"
+    script = problem_folder(root, "script")
+    (script / "solution.sh").write_text("echo 'writing done.txt'\necho 'disk full' >&2\nexit 3\n")
+    tested = root / "tested"
+    (tested / "workspace").mkdir(parents=True)
+    (tested / "instruction.md").write_text("Fix median() in stats.py.\n")
+    (tested / "workspace" / "stats.py").write_text("def median(v):\n    return sorted(v)[len(v) // 2]\n")
+    tests = "from stats import median\n\n\ndef test_odd():\n    assert median([3, 1, 2]) == 2\n\n\n"
+    tests += "def test_even():\n    assert median([4, 1, 3, 2]) == 2.5\n\n\ndef test_pair():\n    assert median([0, 10]) == 5\n"
+    (tested / "tests").mkdir()
+    (tested / "tests" / "test_stats.py").write_text(tests)
+    (tested / "solution").mkdir()  # right for [4, 1, 3, 2] only
+    (tested / "solution" / "stats.py").write_text(
+        "def median(v):\n    return 2.5 if len(v) == 4 else sorted(v)[0]\n"
+    )
+    assert main(["suite", "check", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL script: reference solution: solution.sh exited with 3\n" in out
+    assert "     stdout:\n       | writing done.txt\n     stderr:\n       | disk full\n" in out
+    assert "FAIL tested: reference solution scores 0.33, not 1.0\n     2 of 3 failed:\n" in out
+    assert (
+        "     FAIL tests/test_stats.py::test_odd" in out and "     FAIL tests/test_stats.py::test_pair" in out
+    )
+    assert "test_even" not in out
+
+
+CHECKS = [
+    {"name": "made", "code": "expect(Path('done.txt').exists(), 'done.txt is missing')"},
+    {"name": "said", "code": "expect_equal(Path('done.txt').read_text(), 'yes\\n', 'its text')"},
+]
+
+
+def test_a_manifest_holds_checks_as_their_source_or_compiled_and_a_bad_one_is_named(tmp_path, capsys):
+    compiled = next(p for p in generate("terminal", 3, seed=1) if p.checks).to_json()
+    lines = [
+        {k: v for k, v in record("source", checks=CHECKS).items() if k != "grade_command"},
+        {k: v for k, v in record("typo", checks=[{"name": "c", "source": "expect(True, 'x')"}]).items()},
+        {**compiled, "problem_id": "compiled", "suite": "m"},
+        {k: v for k, v in record("half", checks=[{"name": "c"}]).items() if k != "grade_command"},
+    ]
+    path = jsonl(tmp_path / "m.jsonl", lines)
+    suite = open_suite(SuiteSpec("m", path=str(path)))
+    assert [p.problem_id for p in suite.problems] == ["m-source", "m-compiled"]
+    assert [c.name for c in suite.problems[0].checks] == ["made", "said"]
+    forms = "a check has name and code, or name, probe, expected, imports_workspace (compiled)"
+    assert suite.errors == [
+        f"{path} line 2: checks[0]: unknown field(s) 'source'; {forms}",
+        f"{path} line 4: checks[0]: missing field(s) 'probe', 'expected'; {forms}",
+    ]
+    assert main(["suite", "check", str(path)]) == 1
+    assert "ok   source: untouched 0.00, reference 1.00" in capsys.readouterr().out

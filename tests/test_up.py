@@ -1,12 +1,23 @@
 """`gyre up` / status / down on real processes: a Prefect server with its UI, an engine and the gateway,
-recorded by pid; a campaign uses the running stack; down stops exactly what up started."""
+recorded by pid; a campaign uses the running stack (and runs beside a stack of another policy, which it
+leaves running); down stops exactly what up started."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tasks.services.up import ServingConfig, down, read_record, state_dir, status, up
+from tasks.services.up import (
+    ServiceRecord,
+    ServingConfig,
+    UpRecord,
+    down,
+    read_record,
+    runs_beside,
+    state_dir,
+    status,
+    up,
+)
 from tests.campaign_fixtures import tiny_campaign, tiny_policy
 
 
@@ -141,5 +152,81 @@ def test_a_service_that_dies_is_started_again_where_it_was_and_its_engine_taken_
         assert up(
             data_root, policy, serving, prefect_api_url=url, gateway_port=0, engine_port=0
         ).services == (read_record(data_root).services)  # kept
+    finally:
+        down(data_root)
+
+
+def _record(policy: str, *, engine: str = "gyre", serving: bool = True) -> UpRecord:
+    """A record of `gyre up`'s stack: a Prefect server and, with ``serving``, an engine and the gateway."""
+    from tasks.services.serving import ENGINE_MARKERS
+
+    services = [ServiceRecord(name="prefect", pid=1, url="http://127.0.0.1:1/api", marker="server", log="")]
+    if serving:
+        services += [
+            ServiceRecord(name="engine-0", pid=2, url="http://e", marker=ENGINE_MARKERS[engine], log=""),
+            ServiceRecord(name="gateway", pid=3, url="http://g", marker="engines.gateway", log=""),
+        ]
+    return UpRecord(
+        data_root="d",
+        policy=policy,
+        prefect_api_url="http://127.0.0.1:1/api",
+        prefect_ui_url=None,
+        gateway_url="http://g",
+        admin_token="t",
+        engine_urls=["http://e"] if serving else [],
+        engine_admin_token="t",
+        services=services,
+        started_at=0.0,
+    )
+
+
+def test_a_campaign_runs_on_the_stack_of_its_policy_and_beside_a_stack_of_another():
+    """The decision `gyre run` takes (tasks/services/up.py campaign_stack): on gyre up's stack when it
+    serves the campaign's policy with the campaign's engine, beside it (its own engines and gateway, the
+    shared Prefect server and UI left running) when it serves another; no stack, or a Prefect server
+    alone: `up` starts what the campaign needs."""
+    assert not runs_beside(None, "a", "gyre")
+    assert not runs_beside(_record("a"), "a", "gyre")
+    assert runs_beside(_record("a"), "b", "gyre")
+    assert runs_beside(_record("a"), "a", "vllm")
+    assert runs_beside(_record("a", engine="vllm"), "a", "gyre")
+    assert not runs_beside(_record("", serving=False), "b", "gyre")
+
+
+@pytest.mark.slow
+def test_a_campaign_of_another_policy_runs_beside_the_stack_and_gyre_up_keeps_the_prefect_server(
+    prefect_harness, tmp_path
+):
+    """Starting a campaign of policy B while gyre up serves policy A restarts nothing: the campaign
+    rolls out on engines of its own (none of its calls reaches A's engine) and A's stack still runs;
+    `gyre up` for B then replaces the engines and the gateway, and keeps the Prefect server and its UI."""
+    from flows.campaign import campaign
+    from tasks.services.up import _alive, campaign_stack, running_stack
+    from trajectory_store.storage import Store, StoreConfig
+
+    first, other = tiny_policy(tmp_path / "a"), tiny_policy(tmp_path / "b")
+    data_root = str(tmp_path / "data")
+    serving = ServingConfig(trainer_threads=1)
+    ports = {"prefect_port": 0, "gateway_port": 0, "engine_port": 0}
+    record = up(data_root, first, serving, **ports)
+    try:
+        used, shared = campaign_stack(data_root, other, serving, **ports)
+        assert not shared and used == record  # its Prefect server; nothing stopped, nothing started
+        assert running_stack(data_root, other) is None  # so the campaign starts engines of its own
+
+        campaign(tiny_campaign("beside", other, data_root))
+        calls = Store(StoreConfig(data_root=data_root, campaign="beside")).read_table("calls")
+        stack_engine = f"rollout-{record.engine_urls[0].rsplit(':', 1)[1]}"
+        assert calls.num_rows and stack_engine not in set(calls.column("engine_id").to_pylist())
+        assert read_record(data_root) == record
+        assert all(row["running"] and row["healthy"] for row in status(data_root))
+
+        again = up(data_root, other, serving, **ports)
+        prefect = next(s for s in record.services if s.name == "prefect")
+        assert again.policy == other and again.services[0] == prefect
+        assert again.prefect_ui_url == record.prefect_ui_url
+        assert [s.name for s in again.services] == ["prefect", "engine-0", "gateway"]
+        assert not any(_alive(s) for s in record.services[1:])  # A's engine and gateway stopped
+        assert all(row["running"] and row["healthy"] for row in status(data_root))
     finally:
         down(data_root)

@@ -110,7 +110,9 @@ def step_batch(
     max_policy_lag: int,
     skip_zero_signal: bool,
 ) -> tuple[PackedBatch, dict[str, float]]:
-    """The step's packed batch, and counts of what was left out (by reason) and trained."""
+    """The step's packed batch, and counts of what was left out (by reason), packed and trained: an
+    execution is trained when it is packed and its group carries signal (a zero-signal group kept in
+    the batch has advantage 0 everywhere: it counts in the loss's average, and teaches nothing)."""
     reasons = left_out(
         con,
         step,
@@ -120,9 +122,12 @@ def step_batch(
     )
     batch = pack(con, packing, step=step, exclude=reasons)
     skipped = batch.skipped.values()
+    no_signal = zero_signal(con, step)
     counts = {
-        "executions_trained": float(len(batch.advantages)),
-        "executions_zero_signal": float(len(zero_signal(con, step))),
+        # a zero-signal group kept in the batch (skip_zero_signal False) is packed, advantage 0: not trained
+        "executions_trained": float(len(set(batch.advantages) - set(no_signal))),
+        "executions_packed": float(len(batch.advantages)),
+        "executions_zero_signal": float(len(no_signal)),
         "zero_signal_skipped": float(skip_zero_signal),
         "executions_stale": float(sum(r.startswith("stale") for r in skipped)),
         "executions_untrainable": float(sum(r.startswith("status") or r == "no reward" for r in skipped)),

@@ -24,6 +24,7 @@ from environments.problems.problem import (
     Check,
     Problem,
     PublicProblem,
+    SolutionError,
     apply_solution,
     write_workspace,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "GraderError",
     "Problem",
     "PublicProblem",
+    "SolutionError",
     "apply_solution",
     "generate",
     "grade_workspace",

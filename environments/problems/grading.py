@@ -54,6 +54,7 @@ import secrets
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from environments.problems import pytest_grader
@@ -64,6 +65,7 @@ from environments.problems.grading_copy import (
     neutralise,
     place_hidden_file,
     unshadow_hidden_modules,
+    unshadow_tools,
 )
 from environments.problems.problem import Check, Problem, tail
 from environments.sandbox import CommandResult, Sandbox, SandboxLimits, SandboxSetupError
@@ -142,7 +144,9 @@ def grade_workspace(
     # the grader's report lives in tmp, which no command sees
     box = tmp / "box"
     box.mkdir()
-    quota = mount_quota(box, GRADE_BOX_BYTES, GRADE_BOX_FILES)
+    quota = mount_quota(box, GRADE_BOX_BYTES, GRADE_BOX_FILES, warn=False)
+    if not quota:
+        _box_has_no_quota()
     try:
         result = _grade_in(problem, source, tmp, box, timeout_s, limits or grading_limits(timeout_s))
     finally:
@@ -150,6 +154,15 @@ def grade_workspace(
             unmount(box)
         remove_tree(tmp)  # the agent's code may have left a tree of any depth in box/
     return result
+
+
+@cache
+def _box_has_no_quota() -> None:
+    """Says once per process that grades run in plain folders (the kernel refused the tmpfs)."""
+    logger.warning(
+        "GRADING HAS NO DISK QUOTA: the kernel refused a tmpfs for the grading folder; what the agent's "
+        "code writes while it is graded fills the host's /tmp"
+    )
 
 
 def _grade_in(
@@ -162,6 +175,8 @@ def _grade_in(
             place_hidden_file(copy, rel, text)
         if not problem.checks:
             notes += neutralise(copy, problem) + unshadow_hidden_modules(copy, problem)
+        if problem.grade_command:
+            notes += unshadow_tools(copy, problem)
     except Exception as exc:  # a workspace no copy could take scores 0: never an error
         logger.exception("problem %s: the grading copy of %s failed", problem.problem_id, source)
         return ungraded(problem, f"the grading copy failed: {type(exc).__name__}: {exc}")

@@ -30,8 +30,12 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.machinery
+import importlib.metadata
 import os
+import re
+import sys
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path, PurePosixPath
 
 from environments.problems.problem import Problem, write_text
@@ -317,6 +321,55 @@ def unshadow_hidden_modules(copy: Path, problem: Problem) -> list[str]:
                     continue
                 remove_tree(shadow)
                 actions.append(f"removed {shadow_rel} (it shadows the hidden {rel})")
+    return actions
+
+
+GRADE_TOOLS = ("pytest",)
+"""Distributions a grade command's interpreter runs (``python -m pytest``), with what they require."""
+
+
+@cache
+def tool_modules() -> frozenset[str]:
+    """Top-level modules a grade command's interpreter may import besides the code under test: the
+    standard library (``sys.stdlib_module_names``) and the packages of ``GRADE_TOOLS`` and of every
+    distribution they require, as installed here."""
+    wanted: set[str] = set()
+    for dist in GRADE_TOOLS:
+        wanted.add(dist)
+        try:
+            requirements = importlib.metadata.requires(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for requirement in requirements:
+            name = re.match(r"[A-Za-z0-9._-]+", requirement)
+            if name and "extra ==" not in requirement:
+                wanted.add(name.group().lower())
+    names = set(sys.stdlib_module_names)
+    for top, owners in importlib.metadata.packages_distributions().items():
+        if any(owner.lower() in wanted for owner in owners):
+            names.add(top)
+    return frozenset(names)
+
+
+def unshadow_tools(copy: Path, problem: Problem) -> list[str]:
+    """Removes, from the copy's root, the modules and packages the agent added under the name of a
+    module the grade command's interpreter imports (``tool_modules``: ``re.py``, ``pytest.py``,
+    ``pluggy/``): a grade command that puts the workspace on the module path (``PYTHONPATH=.``,
+    ``-o pythonpath=.``) would import them in the tool's place. Template files stay (they are the
+    code under test)."""
+    suffixes = sorted(importlib.machinery.all_suffixes(), key=len, reverse=True)
+    template_tops = {rel.split("/", 1)[0] for rel in problem.files} | set(problem.hidden_tests)
+    actions = []
+    for name in sorted(os.listdir(copy)):
+        if name in template_tops:
+            continue
+        path = copy / name
+        stem = name if path.is_dir() and not path.is_symlink() else None
+        if stem is None:
+            stem = next((name[: -len(s)] for s in suffixes if name.endswith(s)), None)
+        if stem in tool_modules():
+            remove_tree(path)
+            actions.append(f"removed {name} (it shadows the module {stem} a grade command imports)")
     return actions
 
 

@@ -188,7 +188,8 @@ def apply_solution(problem: Problem, workspace: str | Path, *, timeout_s: float 
     """Executes the reference actions in ``workspace``: write_file writes, run runs ``bash -c`` there.
 
     Other tools (reads, run_tests, finish, ...) change nothing and are skipped. A failing command is
-    a bug in the generator, so it raises RuntimeError with the command's output.
+    a bug in the generator (or the folder's solution.sh), so it raises SolutionError (a RuntimeError)
+    with the command's exit code and output.
     """
     root = Path(workspace)
     for step in problem.solution:
@@ -200,6 +201,27 @@ def apply_solution(problem: Problem, workspace: str | Path, *, timeout_s: float 
             _run_reference_command(problem, args["command"], root, timeout_s)
 
 
+class SolutionError(RuntimeError):
+    """A reference solution's command failed: its exit code (None: it timed out) and the ends of
+    what it printed, for a reader (``gyre suite check`` shows them line by line)."""
+
+    def __init__(self, problem_id: str, returncode: int | None, stdout: str, stderr: str, timeout_s: float):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        what = f"timed out after {timeout_s:g} s" if returncode is None else f"exited with {returncode}"
+        super().__init__(
+            f"problem {problem_id}: the reference solution's command {what}\n{self.output_tail()}"
+        )
+
+    def output_tail(self, lines: int = 12) -> str:
+        """The last ``lines`` lines of its stdout and of its stderr, each under its name."""
+        parts = []
+        for name, text in (("stdout", self.stdout), ("stderr", self.stderr)):
+            kept = text.rstrip().splitlines()[-lines:]
+            if kept:
+                parts.append(f"{name}:\n" + "\n".join(f"  | {line}" for line in kept))
+        return "\n".join(parts) or "(it printed nothing)"
+
+
 def _run_reference_command(problem: Problem, command: str, workspace: Path, timeout_s: float) -> None:
     """A reference solution's command: trusted generator output, so a plain subprocess (fast)."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workspace), "LANG": "C.UTF-8"}
@@ -207,10 +229,12 @@ def _run_reference_command(problem: Problem, command: str, workspace: Path, time
         done = subprocess.run(
             ["bash", "-c", command], cwd=workspace, env=env, capture_output=True, text=True, timeout=timeout_s
         )
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"problem {problem.problem_id}: solution command {command!r} timed out") from None
+    except subprocess.TimeoutExpired as exc:
+        out, err = (_text(s) for s in (exc.stdout, exc.stderr))
+        raise SolutionError(problem.problem_id, None, out, err, timeout_s) from None
     if done.returncode != 0:
-        raise RuntimeError(
-            f"problem {problem.problem_id}: solution command {command!r} failed "
-            f"(exit {done.returncode}):\n{tail(done.stdout + done.stderr)}"
-        )
+        raise SolutionError(problem.problem_id, done.returncode, done.stdout, done.stderr, timeout_s)
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""

@@ -25,7 +25,7 @@ from environments.suites.sources import (
     open_suite,
 )
 from environments.suites.spec import SuiteSpec
-from environments.suites.split import SuiteSplit, record_changes
+from environments.suites.split import SuiteSplit, record_changes, source_id, split_suite
 
 __all__ = [
     "BUILTIN",
@@ -44,4 +44,6 @@ __all__ = [
     "open_suite",
     "read_manifest",
     "record_changes",
+    "source_id",
+    "split_suite",
 ]

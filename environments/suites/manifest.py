@@ -1,7 +1,9 @@
 """Manifests: a suite as one file, one Problem JSON per line (``.jsonl``) or per row (``.parquet``).
 
 A line (or row) holds the fields of environments.problems.Problem: ``problem_id``, ``instruction``,
-``files`` (path -> text) and one grader, ``checks`` or ``grade_command`` (with ``hidden_tests``), plus
+``files`` (path -> text) and one grader, ``checks`` (see ``manifest_check``: each ``{"name", "code"}`` in
+the check language of a folder's checks.py, or compiled as Problem.to_json writes it) or
+``grade_command`` (with ``hidden_tests``) or ``"grader": "pytest"`` (with ``hidden_tests``), plus
 any optional field (``solution``, ``visible_test_command``, ``difficulty``, ``meta``, ``harness``,
 ``grade_timeout_s``); ``suite`` may be left out (the suite's name is set). In Parquet, a structured
 field (files, hidden_tests, checks, solution, meta, harness) may be a column of JSON text; a null
@@ -15,7 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from environments.problems import Problem
+from environments.problems import Check, Problem
+from environments.problems.checks import compile_check
 
 STRUCTURED = {"files": dict, "hidden_tests": dict, "meta": dict, "checks": list, "solution": list}
 TEXT = ("problem_id", "instruction")
@@ -68,6 +71,44 @@ def _parquet_rows(path: Path) -> list[tuple[int, dict[str, Any] | str]]:
     return [(number, {k: v for k, v in row.items() if v is not None}) for number, row in enumerate(rows, 1)]
 
 
+CHECK_SOURCE = ("name", "code")
+"""A check as its source: ``code`` in the check language of a folder's checks.py (imports, then
+``expect_equal(got, want, what)`` lines; ``expect(condition, message)`` too when it imports nothing)."""
+CHECK_COMPILED = tuple(f.name for f in dataclasses.fields(Check))
+"""A check as compiled (what Problem.to_json writes): ``name``, ``probe`` (Python that calls
+``observe(value)``), ``expected`` (the observed values, in order) and ``imports_workspace``."""
+
+
+def manifest_check(item: Any, where: str) -> Check:
+    """One entry of a manifest's ``checks``, in either form; ValueError names ``where``, the field and
+    the fields a check takes."""
+    forms = f"a check has {' and '.join(CHECK_SOURCE)}, or {', '.join(CHECK_COMPILED)} (compiled)"
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(item).__name__}; {forms}")
+    fields = set(CHECK_SOURCE) if "code" in item else set(CHECK_COMPILED)
+    unknown = sorted(set(item) - fields)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; {forms}")
+    needed = ("name", "code") if "code" in item else ("name", "probe", "expected")
+    missing = [name for name in needed if name not in item]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(map(repr, missing))}; {forms}")
+    if not isinstance(item["name"], str) or not item["name"]:
+        raise ValueError(f"{where}: field 'name' must be a non-empty string")
+    if "code" in item:
+        if not isinstance(item["code"], str):
+            raise ValueError(f"{where}: field 'code' must be a string (check-language source)")
+        try:
+            return compile_check(item["name"], item["code"])
+        except (ValueError, SyntaxError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    if not isinstance(item["probe"], str) or not isinstance(item["expected"], list):
+        raise ValueError(f"{where}: field 'probe' must be a string and 'expected' a JSON array")
+    if not isinstance(item.get("imports_workspace", False), bool):
+        raise ValueError(f"{where}: field 'imports_workspace' must be true or false")
+    return Check(**item)
+
+
 def record_problem(record: Any, where: str) -> Problem:
     """One manifest record as a Problem; ValueError names ``where`` and the field at fault."""
     if not isinstance(record, dict):
@@ -99,6 +140,10 @@ def record_problem(record: Any, where: str) -> Problem:
                 f"{where}: field {name!r} must be a JSON {'object' if kind is dict else 'array'}"
             )
         data[name] = value
+    if "checks" in data:
+        data["checks"] = [
+            manifest_check(item, f"{where}: checks[{i}]") for i, item in enumerate(data["checks"])
+        ]
     for name in ("files", "hidden_tests"):
         for rel, text in data.get(name, {}).items():
             if not isinstance(text, str):

@@ -100,7 +100,10 @@ def open_suite(spec: SuiteSpec) -> GeneratedSuite | FiniteSuite:
         plugin = load_object(spec.entry_point)
         found = _from_plugin(plugin, spec.entry_point, spec.path)
     elif spec.path is not None:
-        found = _from_path(Path(spec.path))
+        try:
+            found = _from_path(Path(spec.path))
+        except SuiteError as exc:
+            raise SuiteError(f"suite {spec.name}: {exc}") from None
     elif spec.name in installed_suites():
         found = _from_plugin(load_object(spec.name), spec.name, None)
     else:
@@ -118,11 +121,10 @@ def _from_path(path: Path) -> FiniteSuite:
         loaded = read_folder(path)
         return FiniteSuite(loaded.problems, loaded.errors)
     if not path.exists():
-        raise SuiteError(f"suite path {path} does not exist")
+        raise SuiteError(f"no such folder or file: {path}")
     if path.suffix not in MANIFEST_SUFFIXES:
         raise SuiteError(
-            f"suite path {path} is neither a folder of problem folders nor a manifest "
-            f"({' or '.join(MANIFEST_SUFFIXES)})"
+            f"{path} is neither a folder of problem folders nor a manifest ({' or '.join(MANIFEST_SUFFIXES)})"
         )
     problems, errors = read_manifest(path)
     return FiniteSuite(problems, errors)

@@ -37,6 +37,13 @@ def hashed_fraction(problem_id: str) -> float:
     return int(hashlib.sha256(problem_id.encode()).hexdigest()[:16], 16) / 2**64
 
 
+def source_id(problem: Problem) -> str:
+    """A suite's problem by the id it has in its source (a folder's name, a manifest's problem_id):
+    what ``gyre suite check`` prints, and what ``held_out`` and ``validation`` take whatever the
+    campaign names the suite (they take the suite's id, ``<suite>-<source id>``, too)."""
+    return str(problem.meta.get("suite_id", problem.problem_id)).removeprefix("folder-")
+
+
 def content_hash(problem: Problem) -> str:
     return hashlib.sha256(json.dumps(problem.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
@@ -48,14 +55,18 @@ def split_suite(name: str, problems: list[Problem], held_out: Split, validation:
     aliases = {}
     for problem in problems:
         aliases[problem.problem_id] = problem.problem_id
-        source = str(problem.meta.get("suite_id", problem.problem_id))
-        aliases.setdefault(source, problem.problem_id)
-        aliases.setdefault(source.removeprefix("folder-"), problem.problem_id)
+        aliases.setdefault(str(problem.meta.get("suite_id", problem.problem_id)), problem.problem_id)
+        aliases.setdefault(source_id(problem), problem.problem_id)
 
     def listed(part: str, chosen: list[str]) -> set[str]:
         unknown = sorted(set(chosen) - set(aliases))
         if unknown:
-            raise ValueError(f"suite {name}: {part} names problems it does not have: {unknown}")
+            sources = sorted(source_id(p) for p in problems)
+            shown = ", ".join(sources[:30]) + (f", ... ({len(sources)} in all)" if len(sources) > 30 else "")
+            raise ValueError(
+                f"suite {name}: {part} names problems it does not have: {', '.join(unknown)}; "
+                f"its problems are {shown} (or with the suite's prefix, {name}-{sources[0]} ...)"
+            )
         return {aliases[i] for i in chosen}
 
     held: set[str] = set()

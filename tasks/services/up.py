@@ -7,8 +7,13 @@
 The record is ``<state>/services.json`` (mode 0600: it holds the admin tokens), where ``<state>`` is
 ``<data_root>/.gyre`` for a local data root and ``~/.gyre/<hash of the URL>`` for an object store;
 each service's log is beside it. ``up`` is idempotent: services of the record that still answer are
-kept, the others are started again. ``revive`` (what ``up`` does when the record's policy is the
-same, and what ``watch``, `gyre up --watch` and `gyre run` do every few seconds) starts a service
+kept, the others are started again; for another policy or engine it replaces the engines and the
+gateway and keeps the Prefect server (its UI and runs stay). ``campaign_stack`` is what `gyre run`
+takes: this stack when it serves the campaign's policy, else only its Prefect server (the campaign
+then starts engines of its own, and the stack, with whatever campaign uses it, runs on).
+
+``revive`` (what ``up`` does when the record's policy is the same, and what ``watch``, `gyre up
+--watch` and `gyre run` do every few seconds) starts a service
 whose process died again the way it was started: same command, same port, same config and tokens,
 so the gateway and the engines are where the campaign expects them. A Prefect server is started only when the caller has none
 (``prefect_api_url`` None: the CLI passes PREFECT_API_URL when it is set). The trainer is not a
@@ -162,8 +167,9 @@ def up(
     state = state_dir(data_root)
     state.mkdir(parents=True, exist_ok=True)
     old = read_record(data_root)
+    kept: ServiceRecord | None = None  # the Prefect server of a stack that served another policy
     if old and not serves(old, policy, serving.engine):
-        down(data_root)  # another policy or another engine: a fresh stack below
+        kept = _stop_serving(old)  # another policy or another engine: new engines and gateway below
         old = None
     if old and all(_alive(s) and _healthy(s.url) for s in old.services):
         return old
@@ -179,7 +185,10 @@ def up(
     services = []
     try:
         ui_url = None
-        if prefect_api_url is None:
+        if prefect_api_url is None and kept is not None:  # the UI and its runs stay where they were
+            services.append(kept)
+            prefect_api_url, ui_url = kept.url, kept.url.removesuffix("/api")
+        elif prefect_api_url is None:
             port = prefect_port or free_port()
             prefect_home = state / "prefect"
             prefect_env = {
@@ -233,7 +242,9 @@ def up(
         )
         _install_zombie_detection(prefect_api_url)
     except Exception:
-        _stop(services)
+        _stop([s for s in services if s is not kept])
+        if kept is not None:  # the record keeps the server it still runs, for `gyre down`
+            _write_record(data_root, _prefect_only(data_root, kept))
         raise
     record = UpRecord(
         data_root=data_root,
@@ -251,11 +262,76 @@ def up(
     return record
 
 
-def revive(data_root: str) -> list[str]:
-    """Starts again each service of the record whose process died, the way `up` started it (same
-    command, port, config and tokens); returns their names. A service that runs but does not answer
-    is left alone: a busy engine answers /health late, and killing it would lose its calls. Serialised
-    by a lock beside the record, so two supervisors never start one service twice."""
+def _stop_serving(record: UpRecord) -> ServiceRecord | None:
+    """Stops the engines and the gateway of ``record``; its Prefect server, when it runs and answers,
+    is returned (kept), else stopped too. The record then lists only what still runs."""
+    prefect = next((s for s in record.services if s.name == "prefect"), None)
+    if prefect is not None and not (_alive(prefect) and _healthy(prefect.url)):
+        prefect = None
+    _stop([s for s in record.services if s is not prefect])
+    if prefect is None:
+        (state_dir(record.data_root) / RECORD).unlink(missing_ok=True)
+    else:
+        _write_record(record.data_root, _prefect_only(record.data_root, prefect))
+    return prefect
+
+
+def _prefect_only(data_root: str, prefect: ServiceRecord) -> UpRecord:
+    """A record of a Prefect server alone (serving no policy: `up` starts engines beside it)."""
+    return UpRecord(
+        data_root=data_root,
+        policy="",
+        prefect_api_url=prefect.url,
+        prefect_ui_url=prefect.url.removesuffix("/api"),
+        gateway_url="",
+        admin_token="",
+        engine_urls=[],
+        engine_admin_token="",
+        services=[prefect],
+        started_at=time.time(),
+    )
+
+
+def campaign_stack(
+    data_root: str, policy: str, serving: ServingConfig, *, prefect_api_url: str | None = None, **ports: int
+) -> tuple[UpRecord, bool]:
+    """The stack `gyre run` starts a campaign on, and whether its engines serve the campaign's policy.
+
+    A stack of `gyre up` that serves another policy or engine is left running, the UI and whatever
+    campaign uses it included: the campaign uses its Prefect server (started again if its process
+    died) and starts engines and a gateway of its own for its duration (tasks/services/campaign.py
+    campaign_services). With no stack, or one that serves this policy and engine, it is ``up``."""
+    record = read_record(data_root)
+    if record is None or not runs_beside(record, policy, serving.engine):
+        return up(data_root, policy, serving, prefect_api_url=prefect_api_url, **ports), True
+    if prefect_api_url is None:
+        revive(data_root, only=("prefect",))
+        record = read_record(data_root) or record
+        prefect = next((s for s in record.services if s.name == "prefect"), None)
+        if prefect is None or not _healthy(prefect.url):
+            raise RuntimeError(
+                f"the Prefect server of `gyre up` for {data_root} does not answer at {record.prefect_api_url}; "
+                "`gyre status` shows it, `gyre down` then `gyre run` starts a fresh one"
+            )
+    else:
+        record = record.model_copy(update={"prefect_api_url": prefect_api_url, "prefect_ui_url": None})
+    return record, False
+
+
+def runs_beside(record: UpRecord | None, policy: str, engine: str) -> bool:
+    """Whether a campaign of ``policy`` on ``engine`` runs beside the recorded stack (which serves
+    another policy or engine: the campaign starts engines of its own) rather than on it."""
+    if record is None or not any(s.name == "gateway" for s in record.services):
+        return False  # no stack, or a Prefect server alone: `up` starts the engines beside it
+    return not serves(record, policy, engine)
+
+
+def revive(data_root: str, only: tuple[str, ...] | None = None) -> list[str]:
+    """Starts again each service of the record whose process died (of those named ``only``), the way
+    `up` started it (same command, port, config and tokens); returns their names. A service that runs
+    but does not answer is left alone: a busy engine answers /health late, and killing it would lose
+    its calls. Serialised by a lock beside the record, so two supervisors never start one service
+    twice."""
     state = state_dir(data_root)
     if not (state / RECORD).exists():
         return []
@@ -266,7 +342,7 @@ def revive(data_root: str) -> list[str]:
             return []
         revived = []
         for index, service in enumerate(record.services):  # Prefect, then the engines, then the gateway
-            if _alive(service) or not service.command:
+            if _alive(service) or not service.command or (only is not None and service.name not in only):
                 continue
             again = _start(
                 service.name,
@@ -326,12 +402,18 @@ def revivals(data_root: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def watch(data_root: str, stop: threading.Event, interval_s: float = 5.0, on_revive=None) -> None:
-    """Revives dead services every ``interval_s`` until ``stop`` is set; a failed start is reported
-    (``on_revive(names, error)``) and tried again next time."""
+def watch(
+    data_root: str,
+    stop: threading.Event,
+    interval_s: float = 5.0,
+    on_revive=None,
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """Revives dead services (of those named ``only``) every ``interval_s`` until ``stop`` is set; a
+    failed start is reported (``on_revive(names, error)``) and tried again next time."""
     while not stop.wait(interval_s):
         try:
-            names = revive(data_root)
+            names = revive(data_root, only)
         except Exception as exc:  # the supervisor outlives one failed start
             if on_revive:
                 on_revive([], exc)
