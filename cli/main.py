@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         settings.quiet_prefect()  # and Prefect is configured once its check passed: a refused run
-    else:  # leaves nothing behind, not even the data root (cli/campaign.py)
+    elif args.command != "suite":  # leaves nothing behind, not even the data root (cli/campaign.py)
         settings.configure_prefect(settings.data_root_of(args))
     try:
         return _dispatch(args)

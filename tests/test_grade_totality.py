@@ -11,6 +11,7 @@ and odd names, graded by the checks.py grader and the built-in pytest grader. Re
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def _graded(problem: Problem, workspace: Path, data: Path) -> list[float]:
 
 def _special(ws: Path) -> None:
     special_files(ws)
+    os.mknod(ws / "zero", 0o666 | stat.S_IFCHR, os.makedev(1, 5))  # an unsandboxed harness runs as root
     (ws / "unreadable").mkdir()
     (ws / "unreadable/x.py").write_text("x = 1\n")
     os.chmod(ws / "unreadable", 0)
@@ -61,7 +63,7 @@ WORKSPACES = {
     "symlink loops": symlink_loops,
     "a tree 3,000 folders deep": deep_tree,
     "names no store keeps": odd_names,
-    "FIFO, socket, 8 GiB sparse file, unreadable folder": _special,
+    "FIFO, socket, device, 8 GiB sparse file, unreadable folder": _special,
     "52,000 files": many_files,
 }
 

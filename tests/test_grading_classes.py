@@ -158,6 +158,7 @@ def _attacks(tmp_path: Path, hidden_at_root: bool) -> dict[str, dict[str, str | 
     attacks["a module named like the hidden one"] = {"test_total.py": IN_PROCESS}
     attacks["a module named like pytest"] = {"pytest.py": IN_PROCESS}
     attacks["a module named like a standard one"] = {"re.py": "import os\nos._exit(0)\n"}
+    attacks["a sitecustomize package"] = {"sitecustomize/__init__.py": "import os\nos._exit(0)\n"}
     return attacks
 
 

@@ -331,7 +331,8 @@ GRADE_TOOLS = ("pytest",)
 @cache
 def tool_modules() -> frozenset[str]:
     """Top-level modules a grade command's interpreter may import besides the code under test: the
-    standard library (``sys.stdlib_module_names``) and the packages of ``GRADE_TOOLS`` and of every
+    standard library (``sys.stdlib_module_names``), the start-up hooks (a ``sitecustomize/`` package
+    or extension is imported like the file), and the packages of ``GRADE_TOOLS`` and of every
     distribution they require, as installed here."""
     wanted: set[str] = set()
     for dist in GRADE_TOOLS:
@@ -344,7 +345,7 @@ def tool_modules() -> frozenset[str]:
             name = re.match(r"[A-Za-z0-9._-]+", requirement)
             if name and "extra ==" not in requirement:
                 wanted.add(name.group().lower())
-    names = set(sys.stdlib_module_names)
+    names = set(sys.stdlib_module_names) | {name.removesuffix(".py") for name in PYTHON_STARTUP_NAMES}
     for top, owners in importlib.metadata.packages_distributions().items():
         if any(owner.lower() in wanted for owner in owners):
             names.add(top)
