@@ -383,7 +383,8 @@ def test_a_pool_of_a_generated_suite_trains_in_epochs_and_still_evaluates_from_i
 def test_suite_check_names_each_problem_by_the_id_held_out_takes(tmp_path, capsys):
     path = jsonl(tmp_path / "durations.jsonl", [record("durations"), record("other")])
     assert main(["suite", "check", str(path)]) == 0
-    printed = [line.split()[1].rstrip(":") for line in capsys.readouterr().out.splitlines()[:-1]]
+    lines = capsys.readouterr().out.splitlines()[:-1]
+    printed = [line.split()[1].rstrip(":") for line in lines if not line.startswith(" ")]  # not the notes
     assert printed == ["durations", "other"]  # not durations-durations: the suite's name is the campaign's
     config = ProblemsConfig(suites=[{"name": "mine", "path": str(path), "held_out": printed[:1]}], per_step=1)
     assert [p["problem_id"] for p in held_out_problems(EvaluationConfig(), config)] == ["mine-durations"]
