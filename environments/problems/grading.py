@@ -150,9 +150,12 @@ def grade_workspace(
     try:
         result = _grade_in(problem, source, tmp, box, timeout_s, limits or grading_limits(timeout_s))
     finally:
-        if quota:
-            unmount(box)
-        remove_tree(tmp)  # the agent's code may have left a tree of any depth in box/
+        try:  # the grade stands whatever its clean-up meets
+            if quota:
+                unmount(box)  # lazily: never busy
+            remove_tree(tmp)  # the agent's code may have left a tree of any depth in box/
+        except OSError:
+            logger.exception("could not remove the grading folder %s", tmp)
     return result
 
 
