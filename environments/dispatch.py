@@ -53,6 +53,7 @@ folders); this module runs a batch of them at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -65,10 +66,12 @@ from environments.gateway_admin import GatewayAdmin, GatewayAdminError
 from environments.gateways import GatewayPool
 from environments.ledger import StepLedger, step_ledger
 from environments.problems import Problem
-from environments.runner import ExecutionOutcome, ExecutionRunner
+from environments.runner import ExecutionOutcome, ExecutionRunner, MemberEnded
 from environments.sweep import own, sweep_dead_dispatchers
 from environments.zygote import Zygote
 from trajectory_store.storage import Store, StoreConfig
+
+log = logging.getLogger(__name__)
 
 
 async def dispatch(
@@ -119,6 +122,9 @@ async def dispatch(
                         return None
                     try:
                         outcome = await runner.run(admin, problem, member)
+                    except MemberEnded as ended:  # a dead dispatcher's attempt ended it: never twice
+                        log.warning("%s", ended)
+                        return None
                     except GatewayAdminError as exc:
                         if exc.status != 409:
                             raise

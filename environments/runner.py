@@ -61,6 +61,15 @@ MAX_ATTEMPTS = 8
 step would supersede each other's attempts)."""
 
 
+class MemberEnded(Exception):
+    """A member's earlier attempt turned out to have ended at the gateway (its row not yet in the
+    store the ledger was read from): the member has its ending, and no attempt of it runs again."""
+
+    def __init__(self, execution_id: str):
+        super().__init__(f"execution {execution_id} already ended at the gateway: its member is done")
+        self.execution_id = execution_id
+
+
 @dataclass
 class ExecutionOutcome:
     execution_id: str
@@ -184,8 +193,8 @@ class ExecutionRunner:
         first = self.ledger.next_attempt(problem, member, config.run_id)
         for attempt in range(first):
             earlier = execution_id_for(config.step, problem, member, config.run_id, attempt)
-            if earlier not in self.ledger.ended:
-                await self._abandon(admin, earlier, problem, group_id)
+            if earlier not in self.ledger.ended and await self._abandon(admin, earlier, problem, group_id):
+                raise MemberEnded(earlier)
         for attempt in range(first, first + MAX_ATTEMPTS):
             execution_id = execution_id_for(config.step, problem, member, config.run_id, attempt)
             try:
@@ -217,16 +226,21 @@ class ExecutionRunner:
             attempt=self.token,
         )
 
-    async def _abandon(self, admin: GatewayAdmin, execution_id: str, problem: Problem, group_id: str) -> None:
+    async def _abandon(self, admin: GatewayAdmin, execution_id: str, problem: Problem, group_id: str) -> bool:
         """Gives a dead attempt its ending: abandoned by the gateway if it is live there (superseded),
-        else (the gateway restarted since) registered again and finished as abandoned at once."""
+        else (the gateway restarted since) registered again and finished as abandoned at once. True
+        when the gateway had already finished it: the dead dispatcher ended it just before it died and
+        its row is on its way to the store (the ledger was read before it landed)."""
         try:
             await self._register_as_mine(admin, execution_id, problem, group_id)
         except GatewayAdminError as exc:
-            if exc.code in ("execution_superseded", "execution_finished"):
-                return
+            if exc.code == "execution_superseded":
+                return False
+            if exc.code == "execution_finished":
+                return True
             raise
         await admin.finish(execution_id, "abandoned", reward=None)
+        return False
 
     async def _execute(self, problem, execution_id, registration, outcome: ExecutionOutcome) -> None:
         config = self.config

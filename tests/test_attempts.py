@@ -109,6 +109,31 @@ def test_a_new_attempt_abandons_the_dead_one_and_never_inherits_its_calls(tmp_pa
     # step dispatches nothing more for it
 
 
+def test_an_attempt_that_ended_at_the_gateway_after_the_ledger_was_read_is_never_run_again(tmp_path):
+    """A dispatcher killed right after the gateway took its attempt's ending: the next dispatcher read
+    the store before that row landed. The gateway says the attempt is finished, so the member has its
+    ending and no second attempt runs (that would be a sample trained twice: CI saw it once)."""
+    problem = two_file_problem("good")
+    with scripted_stack(str(tmp_path), policy) as stack:
+        dead_dispatcher(stack, "s0-good-g0", "good", "s0-good", calls=2)
+        stale = step_ledger(stack.store_config, 0)  # read before the ending lands
+
+        async def finish() -> None:
+            async with httpx.AsyncClient() as client:
+                await GatewayAdmin(stack.url, ADMIN_TOKEN, client).finish(
+                    "s0-good-g0", "completed", reward=1.0
+                )
+
+        asyncio.run(finish())
+        assert stale.outcome(problem, 0) is None and "s0-good-g0" in stale.used
+        outcomes = run_step(stack, problem, tmp_path, ledger=stale)
+        rows = {
+            r["execution_id"]: r["status"]
+            for r in Store(stack.store_config).read_table("executions").to_pylist()
+        }
+    assert outcomes == [] and rows == {"s0-good-g0": "completed"}
+
+
 def test_calls_left_by_a_gateway_that_died_push_the_next_attempt_to_a_new_id(tmp_path):
     """The gateway died with the execution live: its calls are in the store, the gateway that comes
     back has never heard of it, so only the store can tell that the id is taken."""
