@@ -1,7 +1,9 @@
-"""What every engine server shares on its HTTP side: the admin bearer check and the OpenAI-style error.
+"""What every engine server shares on its HTTP side: the admin bearer check, the OpenAI-style error and
+the routes every engine answers alike.
 
 app.post("/admin/weights", dependencies=[Depends(bearer_guard(token))])
 return error_response(400, "prompt must be ...")
+add_engine_routes(app, card)   # 400 on a malformed request, GET /health, GET /v1/models
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 
-from fastapi import HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+from engines.protocol import ModelCard, ModelList
 
 
 def bearer_guard(admin_token: str | None) -> Callable[[Request], None]:
@@ -35,3 +40,20 @@ def error_response(status: int, message: str) -> JSONResponse:
         "error": {"message": message, "type": "BadRequestError" if status == 400 else "Error", "code": status}
     }
     return JSONResponse(body, status_code=status)
+
+
+def add_engine_routes(app: FastAPI, card: Callable[[], ModelCard]) -> None:
+    """Adds what every engine server answers alike: a malformed request's 400 (error_response), GET /health,
+    and GET /v1/models listing the one model ``card()`` describes (made per request: it may change)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, str(exc.errors()[:3]))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[card()])

@@ -208,12 +208,9 @@ class Gateway:
                 problem_id=execution.problem_id,
                 group_id=execution.group_id,
                 harness=execution.harness,
-                reward=body.reward,
-                reward_source=body.reward_source,
-                snapshot_uri=body.snapshot_uri,
                 started_at=execution.started_at,
                 ended_at=time.time(),
-                calls_elsewhere=body.calls_elsewhere,
+                **body.model_dump(exclude={"status"}),  # reward, reward_source, snapshot_uri, calls_elsewhere
             )
         except RecordError as exc:
             raise GatewayError(

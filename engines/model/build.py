@@ -14,6 +14,7 @@ import hashlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -53,27 +54,35 @@ class InitResult:
     """file names written, sorted"""
 
 
+def _shared_config(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    """What every family's transformers config is given alike: the preset's shape, the tokenizer's
+    vocabulary, the init and the dtype."""
+    shape = config.shape
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "initializer_range": config.initializer_range,
+        "rms_norm_eps": 1e-6,
+        "attn_implementation": ATTN_IMPLEMENTATION,
+        "dtype": config.resolved_dtype(),
+    }
+
+
 def qwen2_config(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
     """The transformers config of ``config``'s preset, with the tokenizer's vocabulary and special ids."""
-    shape = config.shape
     endoftext = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     return Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=shape.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
-        tie_word_embeddings=shape.tie_word_embeddings,
-        initializer_range=config.initializer_range,
-        rms_norm_eps=1e-6,
+        **_shared_config(config, tokenizer),
         use_sliding_window=False,
         bos_token_id=endoftext,
         eos_token_id=endoftext,
-        attn_implementation=ATTN_IMPLEMENTATION,
-        dtype=config.resolved_dtype(),
     )
 
 
@@ -90,22 +99,10 @@ def family_config(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> Pr
         extra.update(sliding_window=None)
     return AutoConfig.for_model(
         family.model_type,
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=shape.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
-        tie_word_embeddings=shape.tie_word_embeddings,
-        initializer_range=config.initializer_range,
-        rms_norm_eps=1e-6,
+        **_shared_config(config, tokenizer),
         bos_token_id=bos,
         eos_token_id=tokenizer.convert_tokens_to_ids(family.eos),
         pad_token_id=tokenizer.convert_tokens_to_ids(family.pad),
-        attn_implementation=ATTN_IMPLEMENTATION,
-        dtype=config.resolved_dtype(),
         **extra,
     )
 

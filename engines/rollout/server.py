@@ -59,8 +59,7 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from engines.admin import (
@@ -79,7 +78,7 @@ from engines.admin import (
     WeightsLoaded,
     WeightsRequest,
 )
-from engines.auth import bearer_guard, error_response
+from engines.auth import add_engine_routes, bearer_guard, error_response
 from engines.devices import settings as devices
 from engines.model.weights import read_weights
 from engines.net import serve_http
@@ -92,7 +91,6 @@ from engines.protocol import (
     EngineUsage,
     GyreChoice,
     ModelCard,
-    ModelList,
     PromptTokensDetails,
 )
 from engines.rollout.config import EngineServerConfig
@@ -130,25 +128,17 @@ def create_app(
     app = FastAPI(title="gyrerl rollout engine", lifespan=lifespan)
     app.state.engine, app.state.loop = engine, loop
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, str(exc.errors()[:3]))
-
     admin = bearer_guard(admin_token)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({})
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        card = ModelCard(
+    def card() -> ModelCard:
+        return ModelCard(
             id=model_name,
             created=int(time.time()),
             max_model_len=engine.runner.max_model_len,
             engine_id=engine.config.engine_id,
         )
-        return ModelList(data=[card])
+
+    add_engine_routes(app, card)
 
     @app.post("/v1/completions")
     async def completions(body: EngineCompletionRequest):
@@ -294,15 +284,8 @@ def _completion(
             finish_reason=out.finish_reason,
             stop_reason=out.output_ids[-1] if out.finish_reason == "stop" else None,
             token_ids=out.output_ids,
-            gyre=GyreChoice(
-                request_id=out.request_id,
-                session_id=out.session_id,
-                policy_versions=out.policy_versions,
-                engine_id=out.engine_id,
-                cached_prompt_tokens=out.cached_prompt_tokens,
-                prefilled_tokens=out.prefilled_tokens,
-                migrated=out.migrated,
-            ),
+            # GyreChoice's fields, read off the output by name
+            gyre=GyreChoice.model_validate(out, from_attributes=True),
         )
         if logprobs is not None:
             choice.logprobs = ChoiceLogprobs(

@@ -39,8 +39,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import JSONResponse, Response
 
 from engines.admin import (
@@ -57,11 +56,11 @@ from engines.admin import (
     WeightsLoaded,
     WeightsRequest,
 )
-from engines.auth import bearer_guard, error_response
+from engines.auth import add_engine_routes, bearer_guard, error_response
 from engines.devices import settings as devices
 from engines.net import free_port, serve_http
 from engines.options import parse_config
-from engines.protocol import EngineCompletion, EngineCompletionRequest, GyreChoice, ModelCard, ModelList
+from engines.protocol import EngineCompletion, EngineCompletionRequest, GyreChoice, ModelCard
 from engines.vllm import settings
 from engines.vllm.config import VllmServerConfig
 from engines.vllm.process import VllmExited, VllmProcess
@@ -198,24 +197,16 @@ def create_app(config: VllmServerConfig) -> FastAPI:
 
     app = FastAPI(title="gyrerl vLLM engine", lifespan=lifespan)
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, str(exc.errors()[:3]))
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({})
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        card = ModelCard(
+    def card() -> ModelCard:
+        return ModelCard(
             id=config.served_model_name,
             created=int(time.time()),
             max_model_len=state["max_model_len"],
             engine_id=engine_id,
             owned_by="vllm",
         )
-        return ModelList(data=[card])
+
+    add_engine_routes(app, card)
 
     @app.post("/v1/completions")
     async def completions(body: EngineCompletionRequest):
