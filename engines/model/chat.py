@@ -31,16 +31,21 @@ TOOL_CALL_FORMAT = "qwen2.5-xml-json"
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
-# The Qwen2.5 template, with two additions: tool-call arguments given as a JSON string (the OpenAI
-# wire format) are inserted as they are rather than encoded twice, and content may be a list of
-# {"type": "text", "text": ...} parts.
-CHAT_TEMPLATE = (
+# {{ render(content) }}: a string, or the text parts of a list of {"type": "text", "text": ...}
+# (every family's template starts with it: families.py)
+RENDER_MACRO = (
     "{%- macro render(content) -%}"
     "{%- if content is string -%}{{- content -}}"
     "{%- elif content is none -%}"
     "{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}\n"
+)
+
+# The Qwen2.5 template, with two additions: tool-call arguments given as a JSON string (the OpenAI
+# wire format) are inserted as they are rather than encoded twice, and content may be a list of
+# {"type": "text", "text": ...} parts.
+CHAT_TEMPLATE = RENDER_MACRO + (
     "{%- if tools %}\n"
     "    {{- '<|im_start|>system\\n' }}\n"
     "    {%- if messages[0].role == 'system' %}\n"

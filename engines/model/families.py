@@ -21,27 +21,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engines.model.chat import CHAT_TEMPLATE, CONTROL_TOKENS, ENDOFTEXT, IM_END, TOOL_TOKENS
+from engines.model.chat import CHAT_TEMPLATE, CONTROL_TOKENS, ENDOFTEXT, IM_END, RENDER_MACRO, TOOL_TOKENS
 from engines.model.chat import TOOL_CALL_FORMAT as QWEN_FORMAT
 from engines.model.tool_calls import LLAMA3_FORMAT, MISTRAL_FORMAT, MISTRAL_TOOL_CALLS, PYTHON_TAG
 
 FamilyName = Literal["qwen2", "qwen3", "llama", "mistral"]
 
-# {{ render(content) }}: a string, or the text parts of a list of {"type": "text", "text": ...}
-_RENDER = (
-    "{%- macro render(content) -%}"
-    "{%- if content is string -%}{{- content -}}"
-    "{%- elif content is none -%}"
-    "{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}\n"
+# render(content) (chat.py), and {{ arguments(call) }}: a call's arguments as a JSON string, inserted as
+# they are when given as one; then the bos token, and `system` (the first message's text if it is the
+# system's, else '') apart from `rest`, the messages that follow it
+_PREAMBLE = RENDER_MACRO + (
     "{%- macro arguments(call) -%}"
     "{%- if call.arguments is string -%}{{- call.arguments -}}{%- else -%}{{- call.arguments | tojson -}}"
     "{%- endif -%}"
     "{%- endmacro -%}\n"
-)
-
-LLAMA3_TEMPLATE = _RENDER + (
     "{{- bos_token }}\n"
     "{%- if messages and messages[0].role == 'system' %}\n"
     "    {%- set system = render(messages[0].content) %}\n"
@@ -50,6 +43,9 @@ LLAMA3_TEMPLATE = _RENDER + (
     "    {%- set system = '' %}\n"
     "    {%- set rest = messages %}\n"
     "{%- endif %}\n"
+)
+
+LLAMA3_TEMPLATE = _PREAMBLE + (
     "{%- if system or tools %}\n"
     "    {{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system }}\n"
     "    {%- if tools %}\n"
@@ -82,15 +78,7 @@ LLAMA3_TEMPLATE = _RENDER + (
     "{%- endif %}\n"
 )
 
-MISTRAL_TEMPLATE = _RENDER + (
-    "{{- bos_token }}\n"
-    "{%- if messages and messages[0].role == 'system' %}\n"
-    "    {%- set system = render(messages[0].content) %}\n"
-    "    {%- set rest = messages[1:] %}\n"
-    "{%- else %}\n"
-    "    {%- set system = '' %}\n"
-    "    {%- set rest = messages %}\n"
-    "{%- endif %}\n"
+MISTRAL_TEMPLATE = _PREAMBLE + (
     "{%- if tools %}\n"
     "    {{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}\n"
     "{%- endif %}\n"
