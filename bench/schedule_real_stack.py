@@ -36,11 +36,11 @@ from scheduler.policy import make_policy
 from scheduler.service import cell_pool, run_controller
 from sim.calibrate import Execution, MeasuredRun
 from tasks.campaign import problems_for, run_missing
-from tasks.schedule import CampaignRuntime
 from tasks.services.campaign import Services, policy_path, serve_version
 from tasks.services.serving import ServingConfig
 from tasks.services.stack import local_stack
-from trajectory_store.config import PackingConfig, SelectionConfig
+from tasks.steps import CampaignSteps, StepsConfig
+from trajectory_store.config import PackingConfig
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 
@@ -132,18 +132,15 @@ class RealBench:
         campaign = f"schedule-{label}"
         services = self.services(campaign)
         self.reset(services)
-        runtime = CampaignRuntime(
-            services,
-            StoreConfig(data_root=self.store.data_root, campaign=campaign),
-            dispatch_config(work.group_size, label, work.temperature),
-            SelectionConfig(),
-            PackingConfig(token_budget=8192, advantage="grpo"),
-            TrainerConfig(lr=1e-4),
-            self.model,
+        recipe = StepsConfig(
+            policy=self.model,
             max_policy_lag=1,
-            trainer_threads=1,
-            trainer_cell=self.core_cell(),
+            store=StoreConfig(data_root=self.store.data_root, campaign=campaign),
+            dispatch=dispatch_config(work.group_size, label, work.temperature),
+            packing=PackingConfig(token_budget=8192, advantage="grpo"),
+            trainer=TrainerConfig(lr=1e-4),
         )
+        runtime = CampaignSteps(recipe, services, trainer_threads=1, trainer_cell=self.core_cell())
         controller = Controller(
             make_policy(policy, **params), self.pool, runtime, sessions_per_cell=work.sessions_per_cell
         )

@@ -27,7 +27,6 @@ from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
 from tasks.campaign import (
-    BatchSummary,
     StepProgress,
     choose_problems,
     evaluate,
@@ -49,11 +48,12 @@ from tasks.commit import (
     record_evaluation,
 )
 from tasks.report import campaign_summary, role_timeline, start_progress, step_table, update_progress
-from tasks.schedule import ScheduleJob, run_scheduler
+from tasks.schedule import Message, ScheduleJob, run_scheduler
 from tasks.services.campaign import Services, campaign_services
 from tasks.services.placement import Colocate, Placement
+from tasks.steps import StepsConfig
 from tasks.tracking import track
-from tasks.train import step_request, train_step
+from tasks.train import BatchSummary, step_request, train_step
 from tasks.trajectory import StoreConfig
 
 
@@ -61,6 +61,12 @@ def campaign_store(config: CampaignConfig):
     """The store of the campaign (its folder is the campaign's name) and of its held-out evaluation."""
     store = config.store.model_copy(update={"campaign": config.name})
     return store, store.model_copy(update={"campaign": f"{config.name}-eval"})
+
+
+def steps_config(config: CampaignConfig) -> StepsConfig:
+    """The sections of ``config`` the step recipe reads (tasks/steps.py), with the campaign's store."""
+    named = {name: getattr(config, name) for name in StepsConfig.model_fields.keys() - {"store"}}
+    return StepsConfig(store=campaign_store(config)[0], **named)
 
 
 @flow(name="rl-step", flow_run_name="step {step}")
@@ -81,7 +87,9 @@ def rl_step(
     )
     report = train_step(request, cell=training.trainer, cluster=config.cluster)
     times = StepTimes(started=started, rolled_out=rolled, ended=time.time())
-    return commit_step(store, report, batch.figures, times)
+    record = commit_step(store, report, batch.figures, times)
+    prune_checkpoints(store, step, config.keep_checkpoints)
+    return record
 
 
 def _roll_out_and_pack(
@@ -93,12 +101,12 @@ def _roll_out_and_pack(
 ) -> BatchSummary:
     """The step's executions and its batch; with problems.zero_signal = "top_up", another round of
     problems while some group carries no signal (at most top_up_rounds)."""
-    skip = config.problems.zero_signal != "keep"
+    recipe = steps_config(config)
     rounds = config.problems.top_up_rounds if config.problems.zero_signal == "top_up" else 0
     for round in range(rounds + 1):
         problems = choose_problems(config.problems, step, round)
         roll_out(problems, services, store, config.dispatch, step, progress if round == 0 else None)
-        batch = pack_step(store, config.selection, config.packing, step, config.max_policy_lag, skip)
+        batch = pack_step(recipe, step)
         if batch.figures.get("executions_zero_signal", 0) == 0:
             break
     return batch
@@ -158,12 +166,10 @@ def campaign(config: CampaignConfig) -> list[StepRecord]:
                 config, step, services, StepProgress(artifact_id=progress, total_steps=config.steps)
             )
             records.append(record)
-            prune_checkpoints(store, step, config.keep_checkpoints)
             step_table(config.name, record)
             _track(config)
             version = step + 1
-            every = config.evaluation.every
-            if version == config.steps or (every and version % every == 0):
+            if config.evaluation.due(version, config.steps):
                 _evaluate(config, services, version)
             update_progress(progress, version, config.steps)
             campaign_summary(config.name, committed_steps(store), committed_evaluations(store))
@@ -174,24 +180,22 @@ def _scheduled(config: CampaignConfig, services: Services, start: int, progress)
     """The steps under the scheduler service (tasks/schedule.py): one long-running task that keeps a
     scheduler process alive; each step it commits shows up here as it lands."""
     store, _ = campaign_store(config)
-    from_config = ScheduleJob.model_fields.keys() - {"start", "store", "services"}  # named as in the config
-    job = ScheduleJob(
-        start=start, store=store, services=services, **{name: getattr(config, name) for name in from_config}
-    )
+    from_config = ScheduleJob.model_fields.keys() - StepsConfig.model_fields.keys() - {"start", "services"}
+    named = {name: getattr(config, name) for name in from_config}  # named as in the config
+    job = ScheduleJob(**steps_config(config).model_dump(), start=start, services=services, **named)
 
     samples: list[dict] = []  # heartbeats where the roles changed: wall time, roles, cells switching
     commits: list[tuple[float, int]] = []
 
-    def seen(message: dict, pid: int) -> None:
-        beat = message.get("heartbeat")
+    def seen(message: Message, pid: int) -> None:
+        beat = message.heartbeat
         if beat and (
-            not samples
-            or (beat["roles"], beat["switching"]) != (samples[-1]["roles"], samples[-1]["switching"])
+            not samples or (beat.roles, beat.switching) != (samples[-1]["roles"], samples[-1]["switching"])
         ):
-            samples.append(beat)
-        if "committed" in message:
-            commits.append((message["wall"], message["committed"]))
-            update_progress(progress, message["version"], config.steps)
+            samples.append(beat.model_dump())
+        if message.committed is not None:
+            commits.append((message.committed.wall, message.committed.step))
+            update_progress(progress, message.committed.version, config.steps)
             _track(config)
 
     run_scheduler(job, config.steps - 1, on_line=seen)
@@ -201,7 +205,10 @@ def _scheduled(config: CampaignConfig, services: Services, start: int, progress)
     records = [r for r in committed_steps(store) if r.step >= start]
     for record in records:
         step_table(config.name, record)
-    _evaluate(config, services, config.steps)
+    # the cells roll out while the scheduler runs: its versions are evaluated once it has ended
+    for version in range(start + 1, config.steps + 1):
+        if config.evaluation.due(version, config.steps):
+            _evaluate(config, services, version)
     campaign_summary(config.name, committed_steps(store), committed_evaluations(store))
     return records
 

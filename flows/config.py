@@ -88,6 +88,13 @@ class CampaignConfig(BaseModel):
                 f"the scheduler's steps stream (policy {self.scheduler.policy!r}) and make one update each; "
                 "set both to 1, or leave [scheduler] policy unset"
             )
+        if self.scheduler.policy is not None and self.problems.zero_signal == "top_up":
+            raise ValueError(
+                f'[problems] zero_signal = "top_up" with [scheduler] policy = {self.scheduler.policy!r}: the '
+                "scheduler's steps stream their groups into training as they finish, so a step cannot roll out "
+                'another round after it has seen its groups; use "skip" (zero-signal groups are left out) or '
+                '"keep", or leave [scheduler] policy unset'
+            )
         if self.scheduler.policy is not None and self.cluster is not None:
             raise ValueError(
                 f"[scheduler] policy = {self.scheduler.policy!r} with [cluster]: the elastic scheduler's cells run "

@@ -76,13 +76,55 @@ class Switch:
         return sum(self.phases.values())
 
 
+# -- what the controller and a replica process say to each other (through multiprocessing queues) ----
+
+
+@dataclass(frozen=True)
+class Join:
+    """Join the step whose core listens at host:port."""
+
+    host: str
+    port: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the replica process."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The replica's model is built; what its process got (engines/devices DevicesReport)."""
+
+    devices: dict
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The replica counts in the step (engines/train/satellite.py's join info)."""
+
+    info: dict
+
+
+@dataclass(frozen=True)
+class Left:
+    """The replica left its step or the step ended: its result (micro-batches, handoff, an error)."""
+
+    result: dict
+
+
+ReplicaCommand = Join | Stop
+ReplicaEvent = Ready | Joined | Left
+
+
 def replica_main(model_dir: str, env: dict[str, str], loss: dict, commands, events, leave) -> None:
     """A cell's trainer replica: takes its cell's devices (``env``: engines/devices.py process_env),
     builds the model once, then joins the steps it is sent to.
 
-    commands: ("join", host, port, step) or ("stop",); events: ("ready", what it got: DevicesReport)
-    once built, ("joined", info) once it counts in the step, then ("done", result) when it left or the
-    step ended; ``leave`` (an Event) asks it to leave after its current micro-batch."""
+    commands: `Join` or `Stop`; events: `Ready` once built, `Joined` once it counts in the step, then
+    `Left` when it left or the step ended; ``leave`` (an Event) asks it to leave after its current
+    micro-batch."""
     devices.enter_cell(env)  # before torch touches a GPU or starts threads
     import torch
 
@@ -92,23 +134,24 @@ def replica_main(model_dir: str, env: dict[str, str], loss: dict, commands, even
     from engines.train.worker import GradWorker
 
     worker = GradWorker(load_model(model_dir, dtype=torch.float32), LossConfig(**loss))
-    events.put(("ready", devices.report().model_dump()))
+    events.put(Ready(devices.report().model_dump()))
     while True:
-        command = commands.get()
-        if command[0] == "stop":
+        command: ReplicaCommand = commands.get()
+        if isinstance(command, Stop):
             return
-        _, *address = command  # host, port, step
         try:
             result = run_satellite(
-                *address,
+                command.host,
+                command.port,
+                command.step,
                 worker,
                 read_batch,
                 leave=leave.is_set,
-                joined=lambda info: events.put(("joined", info)),
+                joined=lambda info: events.put(Joined(info)),
             )
         except Exception as error:  # the step failed for this replica; the core redoes its share
             result = {"error": f"{type(error).__name__}: {error}"}
-        events.put(("done", result))
+        events.put(Left(result))
 
 
 class Replica:
@@ -133,7 +176,7 @@ class Replica:
         self.devices: dict | None = None  # what its process got (DevicesReport), once ready
         # One thread reads the replica's events and keeps the state below; callers wait on it. Before
         # 2026-12-06 each caller read the queue itself, and the controller's collection of a step's
-        # result (poll) could take the "done" a switch to rollout (leave_step) was waiting for: that
+        # result (poll) could take the `Left` a switch to rollout (leave_step) was waiting for: that
         # switch then failed after 60 s with the replica idle.
         self._cond = threading.Condition()
         self._ready = False
@@ -144,7 +187,7 @@ class Replica:
     def _read(self) -> None:
         while True:
             try:
-                kind, info = self.events.get(timeout=0.5)
+                event: ReplicaEvent = self.events.get(timeout=0.5)
             except queue.Empty:
                 if self.process.is_alive():
                     continue
@@ -154,12 +197,13 @@ class Replica:
             except (EOFError, OSError, ValueError):  # the queue closed with the process
                 return
             with self._cond:
-                if kind == "ready":
-                    self.devices, self._ready = info, True
-                elif kind == "joined":
-                    self._joined = info
-                elif kind == "done":
-                    self.busy, self.last_result, self._done = False, info, info
+                match event:
+                    case Ready(devices=got):
+                        self.devices, self._ready = got, True
+                    case Joined(info=info):
+                        self._joined = info
+                    case Left(result=result):
+                        self.busy, self.last_result, self._done = False, result, result
                 self._cond.notify_all()
 
     def _wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -179,7 +223,7 @@ class Replica:
         with self._cond:
             self.leave.clear()
             self._joined, self._done, self.busy = None, None, True
-        self.commands.put(("join", host, port, step))
+        self.commands.put(Join(host, port, step))
         self._wait(lambda: self._joined is not None or not self.busy, timeout_s, f"joining step {step}")
         with self._cond:
             if self._joined is not None:
@@ -209,7 +253,7 @@ class Replica:
     def stop(self) -> None:
         if self.process.is_alive():
             self.leave.set()
-            self.commands.put(("stop",))
+            self.commands.put(Stop())
             self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()

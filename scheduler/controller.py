@@ -30,17 +30,21 @@ from engines.train.run import TrainStepReport
 from scheduler.cells import CellPool
 from scheduler.policy import CellState, Policy, SchedulerState, StepProgress
 from scheduler.report import Outcome, RunReport, StepDone, cpu_busy, cpu_times
+from trajectory_store.step import add_counts
 
 TICK_S = 0.25
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """A packed group, written where replicas can read it."""
+    """A packed group, written where replicas can read it (``uri`` None: nothing in it is trained, a
+    zero-signal group or one with nothing trainable), and its counts (trajectory_store/step.py
+    step_batch's: trained, packed, left out by reason, tokens), summed into its step's figures."""
 
-    uri: str
+    uri: str | None
     sequences: int
     executions: int
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 class Training(Protocol):
@@ -58,7 +62,7 @@ class Training(Protocol):
 class Runtime(Protocol):
     async def execute(self, step: int, problem: dict[str, Any], member: int) -> Outcome: ...
 
-    def pack_group(self, step: int, problem: dict[str, Any]) -> Chunk | None: ...  # None: no signal
+    def pack_group(self, step: int, problem: dict[str, Any]) -> Chunk: ...
 
     def prepare(self, step: int) -> float: ...  # the core up and at `step`: its start-up seconds
 
@@ -100,6 +104,7 @@ class _Step:
     packed: list[tuple[Chunk, str]] = field(default_factory=list)  # packed groups the core has not taken
     appended: int = 0
     skipped: int = 0
+    figures: dict[str, float] = field(default_factory=dict)  # its groups' packing counts, summed
     training: Training | None = None
     closed: bool = False
     behaviour_versions: list[int] = field(default_factory=list)  # of unfinished executions
@@ -277,7 +282,8 @@ class Controller:
         while step.ready_groups:
             problem = step.ready_groups.pop(0)
             chunk = await asyncio.to_thread(self.runtime.pack_group, step.work.step, problem)
-            if chunk is None:
+            step.figures = add_counts(step.figures, chunk.figures)
+            if chunk.uri is None:
                 step.skipped += 1
             else:
                 step.packed.append((chunk, problem["problem_id"]))
@@ -377,6 +383,7 @@ class Controller:
             rolled_out_at=self._wall + rolled_out,
             ended_at=self._wall + now,
             metrics=dict(report.metrics),
+            figures=dict(step.figures),
         )
 
 

@@ -12,8 +12,10 @@ freed cell frees nothing, so a gain must show as cores kept busier while the tai
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from pydantic import BaseModel
 
 from engines.quantiles import quantile
 from scheduler.cells import Switch
@@ -46,6 +48,7 @@ class StepDone:
     rolled_out_at: float  # its last execution's end
     ended_at: float  # its version published
     metrics: dict[str, float]  # the core's
+    figures: dict[str, float] = field(default_factory=dict)  # its groups' packing counts, summed
 
 
 @dataclass
@@ -98,6 +101,67 @@ class RunReport:
             name: {"p50": round(quantile(v, 0.5), 3), "p95": round(quantile(v, 0.95), 3)}
             for name, v in sorted(seen.items())
         }
+
+
+# -- what the scheduler process says to the campaign flow: one Message a line on its stdout ------------
+
+
+class Heartbeat(BaseModel):
+    """Every tick: the controller's clock, the trained version, executions so far, each cell's role and
+    the cells switching (``preparing``: what it waits for before its clock starts, e.g. "core")."""
+
+    t: float
+    version: int
+    dispatched: int
+    finished: int
+    roles: dict[str, str]
+    switching: list[str]
+    errors: int
+    wall: float
+    preparing: str | None = None
+
+
+class Committed(BaseModel):
+    """A step committed: the version it made, when (wall clock)."""
+
+    step: int
+    version: int
+    wall: float
+
+
+class Done(BaseModel):
+    """The run's end: the last version, every switch (cell, direction, seconds, phases), the errors."""
+
+    version: int
+    switches: list[dict[str, Any]]
+    errors: list[str]
+
+
+class Message(BaseModel):
+    """One line of the scheduler process: exactly one of its fields set.
+
+    print(Message(committed=Committed(step=3, version=4, wall=time.time())).line())
+    message = Message.parse(line)     # ValueError naming what was wrong with the line
+    """
+
+    heartbeat: Heartbeat | None = None
+    committed: Committed | None = None
+    done: Done | None = None
+
+    def line(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+    @classmethod
+    def parse(cls, line: str) -> Message:
+        try:
+            message = cls.model_validate_json(line)
+        except ValueError as error:
+            raise ValueError(f"not a scheduler message: {line.strip()[:200]!r} ({error})") from None
+        if len(message.model_fields_set) != 1:
+            raise ValueError(
+                f"a scheduler message holds one of heartbeat, committed, done: {line.strip()[:200]!r}"
+            )
+        return message
 
 
 def cpu_times() -> tuple[int, int] | None:

@@ -5,22 +5,21 @@ committed as its version is published, a heartbeat line every tick.
     version = schedule_steps(campaign, pool, config, start=0, steps=4, max_policy_lag=1, heartbeat=print)
 
 The loop knows nothing of Prefect, problems or the store: the campaign's pieces come in as a
-`Campaign` (tasks/schedule.py's CampaignRuntime implements it): run one execution, pack one group,
+`Campaign` (tasks/steps.py's CampaignSteps implements it): run one execution, pack one group,
 start a training step, serve a version (scheduler.controller.Runtime), and the two the loop adds:
 a step's work (its problems and the members that ended before a restart) and the commit of a step.
 tasks/schedule.py starts this loop in a process of its own (``python -m tasks.schedule``) and
-supervises it (heartbeats, restarts from the store); what the loop says on ``heartbeat`` is one JSON
-object a line:
+supervises it (heartbeats, restarts from the store); what the loop says on ``heartbeat`` is one
+scheduler.report.Message a line (JSON), which the flow parses with ``Message.parse``:
 
     {"heartbeat": {t, version, dispatched, finished, roles, switching, errors, wall}}   every tick
-    {"committed": step, "version": v, "wall": t}                                       every step
-    {"done": {"version": v, "switches": [...], "errors": [...]}}                        at the end
+    {"committed": {step, version, wall}}                                               every step
+    {"done": {version, switches, errors}}                                              at the end
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -33,11 +32,11 @@ from scheduler.cells import CellPool, CellSpec, Switch
 from scheduler.config import SchedulerConfig
 from scheduler.controller import Controller, Runtime, StepWork
 from scheduler.policy import make_policy
-from scheduler.report import RunReport, StepDone
+from scheduler.report import Committed, Done, Heartbeat, Message, RunReport, StepDone
 
 
 class Campaign(Runtime, Protocol):
-    """A campaign's pieces, as the loop uses them (tasks/schedule.py CampaignRuntime): a Runtime (one
+    """A campaign's pieces, as the loop uses them (tasks/steps.py CampaignSteps): a Runtime (one
     execution, one group packed, a training step, a version served) and
 
     - ``step_work(step)``: its problems, and the members that ended before (a restart) as finished;
@@ -110,7 +109,7 @@ def schedule_steps(
         nonlocal counted
         switches, counted = pool.switches[counted:], len(pool.switches)
         version = campaign.commit(done, report, switches)
-        heartbeat(json.dumps({"committed": done.step, "version": version, "wall": time.time()}))
+        heartbeat(Message(committed=Committed(step=done.step, version=version, wall=time.time())).line())
 
     params = {"max_policy_lag": max_policy_lag, **config.params}
     if config.policy == "colocate":
@@ -121,7 +120,7 @@ def schedule_steps(
         campaign,
         sessions_per_cell=config.sessions_per_cell,
         on_step=commit,
-        on_tick=lambda summary: heartbeat(json.dumps({"heartbeat": {**summary, "wall": time.time()}})),
+        on_tick=lambda summary: heartbeat(Message(heartbeat=Heartbeat(**summary, wall=time.time())).line()),
     )
     try:
         report = run_controller(controller, campaign, work, start)
@@ -132,8 +131,6 @@ def schedule_steps(
         {"cell": s.cell_id, "to": s.to, "s": round(s.seconds, 3), **s.phases} for s in report.switches
     ]
     heartbeat(
-        json.dumps(
-            {"done": {"version": controller.version, "switches": switches, "errors": controller.errors}}
-        )
+        Message(done=Done(version=controller.version, switches=switches, errors=controller.errors)).line()
     )
     return controller.version

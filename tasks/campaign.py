@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import io
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -26,7 +25,6 @@ from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
-import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact, update_progress_artifact
 from pydantic import BaseModel
@@ -45,19 +43,12 @@ from tasks.problems import (
     step_problems,
     suite_mix,
 )
-from tasks.services.campaign import (
-    Services,
-    policy_path,
-    prune_fast_dir,
-    readd_dead_engines,
-    serve_version,
-    sleep_engines,
-)
-from trajectory_store.config import PackingConfig, SelectionConfig
+from tasks.services.campaign import Services, sleep_engines
+from tasks.steps import StepsConfig, executions_figures, pack, serve_policy
+from tasks.train import BatchSummary
+from trajectory_store.config import SelectionConfig
 from trajectory_store.db import connect
-from trajectory_store.parts import naming_bad_parts
-from trajectory_store.processor import batch_to_table
-from trajectory_store.step import step_batch, step_figures
+from trajectory_store.step import step_figures
 from trajectory_store.storage import Store, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -254,42 +245,13 @@ def evaluate(
 # -- the step's batch ------------------------------------------------------------------------
 
 
-class BatchSummary(BaseModel):
-    uri: str | None  # None: nothing to train
-    n_executions: int
-    figures: dict[str, float]
-
-
 @task(name="pack", task_run_name="pack step {step}", retries=2, retry_delay_seconds=1)
-def pack_step(
-    store: StoreConfig,
-    selection: SelectionConfig,
-    packing: PackingConfig,
-    step: int,
-    max_policy_lag: int,
-    skip_zero_signal: bool,
-) -> BatchSummary:
-    """Trees, selection, group-relative advantages and packing of the step's executions, in DuckDB."""
-    target = Store(store)
-    with naming_bad_parts(target):
-        con = connect(target, selection)
-        figures = step_figures(con, step)
-        batch, counts = step_batch(
-            con,
-            packing,
-            step,
-            trained_version=step,
-            max_policy_lag=max_policy_lag,
-            skip_zero_signal=skip_zero_signal,
-        )
-    figures.update(counts)
-    if not batch.sequences:
-        return BatchSummary(uri=None, n_executions=0, figures=figures)
-    buffer = io.BytesIO()
-    pq.write_table(batch_to_table(batch, step), buffer, compression=store.compression)
-    path = target.path(f"batches/step={step}/packed.parquet")
-    target.write_bytes(path, buffer.getvalue())
-    return BatchSummary(uri=target.url(path), n_executions=len(batch.advantages), figures=figures)
+def pack_step(recipe: StepsConfig, step: int) -> BatchSummary:
+    """Trees, selection, group-relative advantages and packing of the step's executions, in DuckDB
+    (tasks/steps.py pack: the scheduler packs each group through it too); the step's figures."""
+    chunk = pack(recipe, step)
+    figures = executions_figures(recipe, step) | chunk.figures
+    return BatchSummary(uri=chunk.uri, n_executions=chunk.executions, figures=figures)
 
 
 # -- policy versions -------------------------------------------------------------------------
@@ -298,11 +260,9 @@ def pack_step(
 @task(name="serve-version", task_run_name="serve version {version}", retries=2, retry_delay_seconds=2)
 def serve(services: Services, engines: list[str], version: int, init_model: str) -> dict[str, str]:
     """The given engines wake (or hot-swap) to ``version``; a no-op for an engine already serving it."""
-    done = serve_version(services, engines, version, policy_path(services, version, init_model))
-    prune_fast_dir(services, version)
-    for engine_id in readd_dead_engines(services, engines):  # it died and was started again
+    done = serve_policy(services, engines, version, init_model)
+    for engine_id in [e for e, what in done.items() if what == "added back"]:  # it died, was started again
         get_run_logger().warning("engine %s had died: it serves version %d again", engine_id, version)
-        done[engine_id] = "added back"
     return done
 
 

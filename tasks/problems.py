@@ -149,6 +149,10 @@ class EvaluationConfig(BaseModel):
         description="executions per held-out problem (more than 1 only makes sense with temperature > 0)",
     )
 
+    def due(self, version: int, steps: int) -> bool:
+        """Whether ``version`` (made by step ``version - 1``) is evaluated: every ``every`` and the last."""
+        return version == steps or bool(self.every and version % self.every == 0)
+
 
 # -- problems --------------------------------------------------------------------------------
 

@@ -25,18 +25,28 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.runtime import task_run
+from pydantic import BaseModel
 
 from engines.devices import CellDevices, process_env
 from engines.net import free_port
 from engines.train.config import CoreWorld, LossConfig, TrainerConfig
 from engines.train.run import TrainStepReport, TrainStepRequest
 from engines.train.stream import StreamProducer
-from tasks.campaign import BatchSummary
 from tasks.services.campaign import Services, running_fleets
 from tasks.services.cluster import ClusterConfig, cancel_core_ranks, start_core_ranks, wait_core_ranks
 
 if TYPE_CHECKING:
     from scheduler.controller import Chunk
+
+
+class BatchSummary(BaseModel):
+    """A step's packed batch (tasks/steps.py pack): where it is (None: nothing to train), how many
+    executions it trains, and the step's figures."""
+
+    uri: str | None
+    n_executions: int
+    figures: dict[str, float]
+
 
 __all__ = [
     "LossConfig",

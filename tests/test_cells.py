@@ -23,7 +23,7 @@ from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.stream import StreamProducer, write_chunk
 from environments.gateway_admin import GatewayAdmin
-from scheduler.cells import CellPool, CellSpec, Replica
+from scheduler.cells import CellPool, CellSpec, Left, Replica
 from tasks.services.stack import local_stack
 from tests.campaign_fixtures import tiny_policy
 from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
@@ -165,7 +165,7 @@ def test_a_step_result_collected_by_poll_still_ends_a_replicas_leave(tmp_path):
         leaving = threading.Thread(target=lambda: left.append(replica.leave_step(timeout_s=20)))
         leaving.start()
         assert replica.leave.wait(timeout=10)  # leave_step is waiting for the step's end
-        replica.events.put(("done", {"micro_batches": [], "left": False}))  # the step closed on its own
+        replica.events.put(Left({"micro_batches": [], "left": False}))  # the step closed on its own
         leaving.join(timeout=30)
         stop.set()
         poller.join()

@@ -3,7 +3,7 @@ policy with one step in flight and the core lent to rollout (so the core rolls o
 each step's tail frees cells for its training and the next step calls them back), on three cells
 (engines behind the gateway, replica processes, the core as a --serve process). Built from the
 product's own pieces only: the local stack, the cell pool, the campaign's runtime (tasks/schedule.py
-CampaignRuntime, its steps' work included) and the controller.
+CampaignSteps, its steps' work included) and the controller.
 
 Every execution finishes and is recorded, both steps publish a version, cells move to training and
 back while executions run (no switch fails), the core rolls out, trains step 0's tail and is lent
@@ -27,10 +27,10 @@ from scheduler.policy import make_policy
 from scheduler.report import cpu_busy
 from scheduler.service import cell_pool, run_controller
 from tasks.campaign import ProblemsConfig, problems_for, run_missing
-from tasks.schedule import CampaignRuntime
 from tasks.services.campaign import Services, policy_path, serve_version
 from tasks.services.stack import local_stack
-from trajectory_store.config import PackingConfig, SelectionConfig
+from tasks.steps import CampaignSteps, StepsConfig
+from trajectory_store.config import PackingConfig
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 
@@ -70,17 +70,16 @@ def test_elastic_runs_two_steps_on_real_cells(tmp_path):
             policy_root=target.url(target.campaign_dir),
             fast_dir=fast_dir,
         )
-        runtime = CampaignRuntime(
-            services,
-            store,
-            _dispatch(2, "elastic"),
-            SelectionConfig(),
-            PackingConfig(token_budget=8192, advantage="grpo"),
-            TrainerConfig(lr=1e-4),
-            POLICY,
+        recipe = StepsConfig(
+            policy=POLICY,
             max_policy_lag=lag,
+            store=store,
             problems=ProblemsConfig(suites=SUITES, per_step=3, seed=7100),
+            dispatch=_dispatch(2, "elastic"),
+            packing=PackingConfig(token_budget=8192, advantage="grpo"),
+            trainer=TrainerConfig(lr=1e-4),
         )
+        runtime = CampaignSteps(recipe, services)
         try:
             controller = Controller(make_policy("elastic", **params), pool, runtime, sessions_per_cell=2)
             try:

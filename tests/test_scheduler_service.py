@@ -104,6 +104,10 @@ def test_a_killed_scheduler_is_restarted_from_the_store(prefect_harness, tmp_pat
     # the step table (the UI's artifact, `gyre run`'s summary) shows each step's executions, the abandoned too
     abandoned = sum(status == "abandoned" for _, status, _ in recorded)
     assert [r.metrics["executions"] for r in records] == [4.0]  # the ended ones
+    # the step's packing figures are the step flow's (tasks/steps.py: one recipe), summed over its groups
+    packing = {"executions_trained", "executions_packed", "executions_zero_signal", "executions_stale"}
+    assert packing <= set(records[0].metrics), sorted(records[0].metrics)
+    assert records[0].metrics["executions_packed"] <= 4
     assert sum(r.metrics.get("executions_abandoned", 0) for r in records) == abandoned >= 1
     # MLflow and TensorBoard hold the step once (its scheduler was killed and restarted within it),
     # with its role-switch latency, and both evaluations
@@ -119,17 +123,20 @@ def test_a_killed_scheduler_is_noticed_by_its_exit_while_its_children_hold_the_p
     import sys
     from types import SimpleNamespace
 
+    from scheduler.report import Committed, Message
     from tasks.schedule import _watch
 
+    said = Message(committed=Committed(step=2, version=3, wall=1.0)).line()
     program = (
         "import os, signal, subprocess, sys; sys.stdin.readline();"
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(20)']);"
-        "print('{\"heartbeat\": 1}', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+        f"print('{{\"heartbeat\": 1}}'); print({said!r}, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
     )
     job = SimpleNamespace(wire=lambda: "{}", scheduler=SimpleNamespace(heartbeat_timeout_s=15.0))
     heard = []
     code = _watch(job, lambda message, pid: heard.append(message), [sys.executable, "-c", program])
-    assert heard == [{"heartbeat": 1}]
+    # a line that is no message is passed over (logged); the typed one arrives as it was sent
+    assert heard == [Message(committed=Committed(step=2, version=3, wall=1.0))]
     assert code == -signal.SIGKILL, code
     leftover = subprocess.run(["pgrep", "-f", "time.sleep\\(20\\)"], capture_output=True, text=True)
     assert not leftover.stdout.strip(), "the killed scheduler's child outlived the supervisor"

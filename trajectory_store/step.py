@@ -3,6 +3,11 @@
     figures = step_figures(con, step)                       # rewards, statuses, tokens of the step
     batch, left_out = step_batch(con, packing, step, trained_version=3, max_policy_lag=0,
                                  skip_zero_signal=True)
+    chunk, counts = step_batch(con, packing, step, ..., group="s3-csv-total")   # one group of it
+
+Both schedules build their batches here: the step flow packs the whole step at once, the scheduler
+packs each group as it finishes (``group``); a step's counts are the sum of its groups' counts
+(`add_counts`), so both record the same figures.
 
 Two rules decide what is left out before packing (each execution left out is counted by reason):
 
@@ -101,6 +106,9 @@ def zero_signal(con: duckdb.DuckDBPyConnection, step: int) -> list[str]:
     return [row[0] for row in rows]
 
 
+ANOTHER_GROUP = "another group"
+
+
 def step_batch(
     con: duckdb.DuckDBPyConnection,
     packing: PackingConfig,
@@ -109,10 +117,12 @@ def step_batch(
     trained_version: int,
     max_policy_lag: int,
     skip_zero_signal: bool,
+    group: str | None = None,
 ) -> tuple[PackedBatch, dict[str, float]]:
-    """The step's packed batch, and counts of what was left out (by reason), packed and trained: an
-    execution is trained when it is packed and its group carries signal (a zero-signal group kept in
-    the batch has advantage 0 everywhere: it counts in the loss's average, and teaches nothing)."""
+    """The step's packed batch (with ``group``: that group's only), and counts of what was left out
+    (by reason), packed and trained: an execution is trained when it is packed and its group carries
+    signal (a zero-signal group kept in the batch has advantage 0 everywhere: it counts in the loss's
+    average, and teaches nothing). A group's counts are of its own executions."""
     reasons = left_out(
         con,
         step,
@@ -120,9 +130,21 @@ def step_batch(
         max_policy_lag=max_policy_lag,
         skip_zero_signal=skip_zero_signal,
     )
+    no_signal = zero_signal(con, step)
+    if group is not None:
+        others = {
+            row[0]
+            for row in con.execute(
+                "SELECT execution_id FROM executions WHERE step = ? AND coalesce(group_id, '') <> ?",
+                [int(step), group],
+            ).fetchall()
+        }
+        reasons = {e: why for e, why in reasons.items() if e not in others} | dict.fromkeys(
+            others, ANOTHER_GROUP
+        )
+        no_signal = [e for e in no_signal if e not in others]
     batch = pack(con, packing, step=step, exclude=reasons)
     skipped = batch.skipped.values()
-    no_signal = zero_signal(con, step)
     counts = {
         # a zero-signal group kept in the batch (skip_zero_signal False) is packed, advantage 0: not trained
         "executions_trained": float(len(set(batch.advantages) - set(no_signal))),
@@ -137,3 +159,12 @@ def step_batch(
         "sequences": float(len(batch.sequences)),
     }
     return batch, counts
+
+
+def add_counts(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
+    """The counts of a step made of groups: each count summed (``zero_signal_skipped``, a setting of
+    the step rather than a count, kept)."""
+    summed = {name: total.get(name, 0.0) + value for name, value in part.items()}
+    if "zero_signal_skipped" in part:
+        summed["zero_signal_skipped"] = part["zero_signal_skipped"]
+    return {**total, **summed}
