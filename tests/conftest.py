@@ -1,11 +1,13 @@
 """Shared fixtures: a real Prefect test harness (one per session: each costs seconds), a real S3 API
 server on loopback (moto's ThreadedMotoServer), temporary stores, the CLI's environment kept inside a
-test (cli_env), and torch on one thread for a module (one_thread)."""
+test (cli_env), torch on one thread for a module (one_thread), and a listening loopback port
+(listening_port)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import pytest
 
@@ -81,3 +83,12 @@ def one_thread():
 
     with one_cpu_thread():
         yield
+
+
+@pytest.fixture
+def listening_port():
+    """A listening loopback socket's port, standing for another service of the host (the Prefect API, S3)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield server.getsockname()[1]

@@ -71,8 +71,8 @@ data_root = "{data}"
 [packing]
 token_budget = {budget}
 [problems]
-suites = ["terminal"]
-per_step = 1
+suites = {suites}
+per_step = {per_step}
 zero_signal = "keep"
 [evaluation]
 per_suite = 1
@@ -84,12 +84,27 @@ timeout_s = 60
 short_turns = 1
 long_fraction = 0.0
 [dispatch.harness]
-max_tokens = 24
+max_tokens = {max_tokens}
 max_retries = 0
 max_subagents = 0
 [serving]
 trainer_threads = 1
 """
+
+
+def campaign_config(
+    policy: Path,
+    data: Path,
+    *,
+    budget: int,
+    suites: str = '["terminal"]',
+    per_step: int = 1,
+    max_tokens: int = 24,
+) -> str:
+    """A one-step campaign of the tiny policy, small and quick; ``suites`` as TOML."""
+    return CONFIG.format(
+        policy=policy, data=data, budget=budget, suites=suites, per_step=per_step, max_tokens=max_tokens
+    )
 
 
 @pytest.mark.slow
@@ -107,7 +122,7 @@ def test_a_deployment_runs_through_a_worker_and_a_failed_step_retried_resumes(lo
     config = tmp_path / "campaign.toml"
     data = tmp_path / "data"
     # a token budget below any prompt: the step's executions finish, then packing fails
-    config.write_text(CONFIG.format(policy=policy, data=data, budget=16))
+    config.write_text(campaign_config(policy, data, budget=16))
     spec = tmp_path / "prefect.yaml"
     spec.write_text(
         "deployments:\n  - name: test\n    entrypoint: flows/campaign.py:scheduled_campaign\n"
@@ -133,7 +148,7 @@ def test_a_deployment_runs_through_a_worker_and_a_failed_step_retried_resumes(lo
             calls_before = Store(store).read_table("calls").num_rows
             assert sorted(r["step"] for r in before) == [0, 0]
 
-            config.write_text(CONFIG.format(policy=policy, data=data, budget=4096))  # the fix
+            config.write_text(campaign_config(policy, data, budget=4096))  # the fix
             retry = subprocess.run(
                 [str(Path(sys.executable).parent / "prefect"), "flow-run", "retry", run_id],
                 env=worker_env,
@@ -223,35 +238,6 @@ def test_a_flow_whose_process_is_killed_is_marked_crashed(local_server):
     assert "no heartbeat" in (run.state.message or "")
 
 
-SUITES_CONFIG = """
-policy = "{policy}"
-steps = 1
-[store]
-data_root = "{data}"
-[packing]
-token_budget = 4096
-[problems]
-suites = [{{ name = "mine", path = "problems", held_out = ["p00"] }}, "repo"]
-per_step = 2
-zero_signal = "keep"
-[evaluation]
-per_suite = 1
-[dispatch]
-group_size = 2
-concurrency = 2
-timeout_s = 60
-[dispatch.durations]
-short_turns = 1
-long_fraction = 0.0
-[dispatch.harness]
-max_tokens = 16
-max_retries = 0
-max_subagents = 0
-[serving]
-trainer_threads = 1
-"""
-
-
 @pytest.mark.slow
 def test_a_scheduled_campaign_trains_on_a_folder_suite_beside_a_generator(prefect_harness, tmp_path):
     """What a deployment runs (scheduled_campaign on a config file): a user's problem folder, its path
@@ -267,7 +253,12 @@ def test_a_scheduled_campaign_trains_on_a_folder_suite_beside_a_generator(prefec
         (tmp_path / "problems" / name / "grade.sh").write_text(grade)
     data = tmp_path / "data"
     config = tmp_path / "campaign.toml"
-    config.write_text(SUITES_CONFIG.format(policy=tiny_policy(tmp_path / "policy"), data=data))
+    suites = '[{ name = "mine", path = "problems", held_out = ["p00"] }, "repo"]'
+    config.write_text(
+        campaign_config(
+            tiny_policy(tmp_path / "policy"), data, budget=4096, suites=suites, per_step=2, max_tokens=16
+        )
+    )
     records = scheduled_campaign(config_path=str(config), name="suites")
     assert [r.step for r in records] == [0]
     (name,) = [p.name for p in (data / "campaigns").iterdir() if not p.name.endswith("-eval")]

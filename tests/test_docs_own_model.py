@@ -65,14 +65,25 @@ def run_documented_commands(page: Path, run: Callable[[str], subprocess.Complete
                 assert piece in done.stdout, f"{command}: {piece!r} not in\n{done.stdout[-2000:]}"
 
 
+def follow_page(
+    page: Path, folder: Path, stack_config: str, beside: tuple[str, ...] = ("configs",)
+) -> Callable[[str], subprocess.CompletedProcess]:
+    """Runs the page's commands in ``folder`` (run_documented_commands) with the repo's ``beside`` folders
+    linked into it, then stops the stack they started (gyre down --config ``stack_config``) whatever
+    happened; returns the shell, for checks after."""
+    for name in beside:
+        (folder / name).symlink_to(ROOT / name)
+    run = page_shell(folder)
+    try:
+        run_documented_commands(page, run)
+    finally:
+        run(f"gyre down --config {stack_config}")
+    return run
+
+
 @pytest.mark.slow
 def test_the_commands_of_the_own_model_page_run_as_documented(tmp_path):
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    run = page_shell(tmp_path)
-    try:
-        run_documented_commands(PAGE, run)
-    finally:
-        run("gyre down --config configs/own-model.toml")
+    run = follow_page(PAGE, tmp_path, "configs/own-model.toml")
     published = tmp_path / "gyre-data" / "campaigns" / "own-model" / "policy" / "v1"
     check = run(f"gyre model check {published}")
     assert check.returncode == 0 and "tool calls llama3-json" in check.stdout, check.stderr

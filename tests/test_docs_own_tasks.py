@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_docs_own_model import documented_commands, page_shell, run_documented_commands
+from tests.test_docs_own_model import documented_commands, follow_page
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "own-tasks.md"
@@ -46,13 +46,7 @@ def test_the_commands_of_the_own_tasks_page_run_as_documented(tmp_path):
     for rel, content in documented_files(PAGE.read_text()).items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(content)
-    (tmp_path / "data").symlink_to(ROOT / "data")
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    run = page_shell(tmp_path)
-    try:
-        run_documented_commands(PAGE, run)
-    finally:
-        run("gyre down --config my-tasks.toml")
+    follow_page(PAGE, tmp_path, "my-tasks.toml", beside=("data", "configs"))
     # the held-out problem was evaluated, never trained on, and the split is on record
     record = json.loads((tmp_path / "gyre-data" / "campaigns" / "my-tasks" / "suites.json").read_text())
     mine = next(suite for suite in record["suites"] if suite["name"] == "mine")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import uuid
@@ -94,15 +93,6 @@ def quota_mounts(root: Path) -> list[str]:
         return [line.split()[1] for line in mounts if line.split()[1].startswith(prefix)]
 
 
-@pytest.fixture
-def prefect_port():
-    """A listening loopback socket standing for a service of the host (the Prefect API, S3)."""
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        yield server.getsockname()[1]
-
-
 @needs_isolation
 def test_a_sandboxed_harness_calls_the_gateway_and_writes_its_workspace(tmp_path):
     with scripted_stack(str(tmp_path), lambda text: "hello from the model") as stack:
@@ -118,7 +108,7 @@ def test_a_sandboxed_harness_calls_the_gateway_and_writes_its_workspace(tmp_path
 
 
 @needs_isolation
-def test_a_harness_reaches_nothing_but_its_workspace_and_the_gateway(tmp_path, prefect_port):
+def test_a_harness_reaches_nothing_but_its_workspace_and_the_gateway(tmp_path, listening_port):
     """What the exploit probe did: read the checkout (problem generators, graders), the store and
     another execution's workspace, list the other workspaces and harness folders, write outside the
     workspace, connect to another loopback service. Every probe fails, so the exploit scores what
@@ -146,7 +136,7 @@ def test_a_harness_reaches_nothing_but_its_workspace_and_the_gateway(tmp_path, p
                 f"ls -A {tmp_path}/store",
             ],
             "write": ["{ROOT}/planted", "{SIDE}/planted", f"{tmp_path}/store/planted", "/usr/planted"],
-            "connect": [prefect_port],
+            "connect": [listening_port],
         }
         [exploit] = run(
             stack, [two_file_problem("exploit")], tmp_path, keep_workspaces=True,

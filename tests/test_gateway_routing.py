@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -56,6 +57,22 @@ def wait_until(condition, timeout: float = 30) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.005)
+
+
+def long_call_finishes_on_b(stack, client, engine: str, lose: Callable[[], object], timeout: float) -> None:
+    """A 2000-token call decoding on ``engine`` loses it (``lose()``) while engine B is activated: the
+    gateway finishes it on B, whole, marked rerouted."""
+    router = stack.gateway.router
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(client.completions.create, model="m", prompt=[5, 6, 7, 8], max_tokens=2000, seed=1)
+        wait_until(lambda: router.engines[engine].in_flight == 1)
+        time.sleep(0.3)  # well inside the 2000-token decode (400 tokens finished first under load once)
+        lose()
+        router.activate("B")
+        out = call.result(timeout=timeout)
+    assert out.choices[0].finish_reason == "length" and len(out.choices[0].model_extra["token_ids"]) == 2000
+    gyre = out.model_extra["gyre"]
+    assert gyre["engine_id"] == "B" and gyre["rerouted"] is True
 
 
 def test_drain_moves_idle_and_in_flight_sessions_with_their_kv(tmp_path, model):
@@ -160,23 +177,9 @@ def test_an_engine_killed_mid_request_loses_nothing(tmp_path, model):
         ) as stack:
             stack.gateway.router.engines["B"].state = "draining"  # new sessions go to Z
             client = stack.client(stack.register("crash"))
-            with ThreadPoolExecutor(1) as pool:
-                call = pool.submit(
-                    client.completions.create, model="m", prompt=[5, 6, 7, 8], max_tokens=2000, seed=1
-                )
-                wait_until(lambda: stack.gateway.router.engines["Z"].in_flight == 1)
-                time.sleep(
-                    0.3
-                )  # well inside the 2000-token decode (400 tokens finished first under load once)
-                process.send_signal(signal.SIGKILL)
-                stack.gateway.router.activate("B")
-                out = call.result(timeout=120)
-            assert (
-                out.choices[0].finish_reason == "length"
-                and len(out.choices[0].model_extra["token_ids"]) == 2000
+            long_call_finishes_on_b(
+                stack, client, "Z", lose=lambda: process.send_signal(signal.SIGKILL), timeout=120
             )
-            gyre = out.model_extra["gyre"]
-            assert gyre["engine_id"] == "B" and gyre["rerouted"] is True
             stack.finish("crash")
             ((row, sequence),) = stack.calls("crash")
             assert sequence[:4] == [5, 6, 7, 8] and row["engine_id"] == "B" and row["output_len"] == 2000

@@ -203,10 +203,7 @@ def test_a_host_cut_off_mid_call_misses_its_health_checks_and_the_call_re_runs_o
     """A cut link breaks no connection: the call to the engine on h1 would wait for ever. The gateway's
     health checks find the engine silent, mark it dead and end its call, which re-runs on h2's engine
     from its recorded prompt; the execution records the call once, from h2."""
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tests.test_gateway_routing import wait_until
+    from tests.test_gateway_routing import long_call_finishes_on_b
 
     folder = str(tmp_path / "policy")
     model.save_pretrained(folder)
@@ -222,24 +219,9 @@ def test_a_host_cut_off_mid_call_misses_its_health_checks_and_the_call_re_runs_o
             with stack.typed_admin() as admin:
                 admin.add_engine(a_url, host=h1.name)
                 admin.add_engine(b_url, host=h2.name)
-            router = stack.gateway.router
-            router.engines["B"].state = "draining"  # the call starts on A
+            stack.gateway.router.engines["B"].state = "draining"  # the call starts on A
             client = stack.client(stack.register("cut"))
-            with ThreadPoolExecutor(1) as pool:
-                call = pool.submit(
-                    client.completions.create, model="m", prompt=[5, 6, 7, 8], max_tokens=2000, seed=1
-                )
-                wait_until(lambda: router.engines["A"].in_flight == 1)
-                time.sleep(0.3)  # well inside A's 2000-token decode
-                cut_off(h1)
-                router.activate("B")
-                out = call.result(timeout=300)
-            assert (
-                out.choices[0].finish_reason == "length"
-                and len(out.choices[0].model_extra["token_ids"]) == 2000
-            )
-            gyre = out.model_extra["gyre"]
-            assert gyre["engine_id"] == "B" and gyre["rerouted"] is True
+            long_call_finishes_on_b(stack, client, "A", lose=lambda: cut_off(h1), timeout=300)
             with stack.typed_admin() as admin:
                 stats = admin.gateway_stats()
             assert stats.engine_deaths == 1 and stats.engines_unresponsive == 1 and stats.rerouted_calls == 1

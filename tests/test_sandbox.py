@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import uuid
 from pathlib import Path
 
@@ -145,14 +144,6 @@ def test_execution_wall_clock_spans_commands(tmp_path):
     assert (first.timed_out, first.limit) == (True, "wall")
     assert first.wall_s < 5
     assert (second.timed_out, second.limit, second.stdout) == (True, "wall", "")
-
-
-@pytest.fixture
-def listening_port():
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        yield server.getsockname()[1]
 
 
 CONNECT = "python -c 'import socket, sys; socket.create_connection((\"127.0.0.1\", int(sys.argv[1])), timeout=3)' {}"

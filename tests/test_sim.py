@@ -70,6 +70,18 @@ def test_the_flagship_workload_is_shaped_like_the_paper():
     assert work.prefill_tokens.sum() > 5 * work.decode_tokens.sum()  # tool results dominate the tokens
 
 
+# the rows of every preset's comparison (bench/schedule.py), as `gyre sim` and `gyre bench schedule` write them
+COMPARED_POLICIES = {
+    "colocate",
+    "async",
+    "async-paperlike",
+    "elastic",
+    "elastic-core",
+    "elastic-sync",
+    "elastic-oracle",
+}
+
+
 def test_gyre_bench_schedule_quick_writes_its_json(tmp_path):
     out = tmp_path / "schedule.json"
     assert (
@@ -77,15 +89,7 @@ def test_gyre_bench_schedule_quick_writes_its_json(tmp_path):
     )
     report = json.loads(out.read_text())
     figures = report["presets"]["cpu-small"]
-    assert set(figures["policies"]) == {
-        "colocate",
-        "async",
-        "async-paperlike",
-        "elastic",
-        "elastic-core",
-        "elastic-sync",
-        "elastic-oracle",
-    }
+    assert set(figures["policies"]) == COMPARED_POLICIES
     assert figures["async_split"]["train_cells"] in PRESETS["cpu-small"].async_splits
     assert figures["elastic_over_async"] > 0 and figures["elastic_over_colocate"] > 0
     row = figures["policies"]["elastic"]

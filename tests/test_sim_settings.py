@@ -10,6 +10,7 @@ import pytest
 from cli.main import main as gyre
 from sim.presets import CPU_SMALL, PAPER_FLAGSHIP, with_settings
 from tasks.report import role_timeline_png
+from tests.test_sim import COMPARED_POLICIES
 
 
 def test_settings_change_fields_parts_and_the_elastic_policy():
@@ -45,15 +46,7 @@ def test_gyre_sim_prints_and_writes_the_comparison(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "cpu-small: 3 steps" in printed and "elastic over async" in printed
     figures = json.loads(out.read_text())
-    assert figures["steps"] == 3 and set(figures["policies"]) == {
-        "colocate",
-        "async",
-        "async-paperlike",
-        "elastic",
-        "elastic-core",
-        "elastic-sync",
-        "elastic-oracle",
-    }
+    assert figures["steps"] == 3 and set(figures["policies"]) == COMPARED_POLICIES
 
 
 def test_role_timeline_is_a_png():
