@@ -92,16 +92,9 @@ trainer_threads = 1
 """
 
 
-def campaign_config(
-    policy: Path,
-    data: Path,
-    *,
-    budget: int,
-    suites: str = '["terminal"]',
-    per_step: int = 1,
-    max_tokens: int = 24,
-) -> str:
-    """A one-step campaign of the tiny policy, small and quick; ``suites`` as TOML."""
+def campaign_config(policy, data, *, budget: int, suites='["terminal"]', per_step=1, max_tokens=24) -> str:
+    """A one-step campaign of the policy folder ``policy`` storing under ``data``, small and quick;
+    ``suites`` as TOML."""
     return CONFIG.format(
         policy=policy, data=data, budget=budget, suites=suites, per_step=per_step, max_tokens=max_tokens
     )
