@@ -9,7 +9,7 @@ to the full-batch gradient however the step is split across cells.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -25,6 +25,10 @@ class LossTerms:
     ratio_max: float
     entropy_sum: float
     kl_sum: float
+
+    def figures(self) -> dict[str, float]:
+        """Every term but the loss tensor, as the plain numbers they are (what a StepStats sums)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loss"}
 
 
 def policy_loss(

@@ -138,12 +138,7 @@ class GradWorker:
         return StepStats(
             micro_batches=[index],
             loss=float(terms.loss.detach()),
-            tokens=terms.tokens,
-            clipped=terms.clipped,
-            ratio_sum=terms.ratio_sum,
-            ratio_max=terms.ratio_max,
-            entropy_sum=terms.entropy_sum,
-            kl_sum=terms.kl_sum,
             lag_sum=float(lags.sum()),
             lag_max=int(lags.max()) if lags.size else 0,
+            **terms.figures(),
         )
