@@ -179,6 +179,13 @@ def agent_workload(url: str, turns: int, max_tokens: int, seed: int) -> dict[str
     }
 
 
+def _one_token_ms(client: httpx.Client, url: str, prompt: list[int], seed: int, session: str) -> float:
+    """Milliseconds of a one-token call on ``prompt``: its prefill, nearly all of it."""
+    start = time.perf_counter()
+    _complete(client, url, prompt, 1, seed, session)
+    return (time.perf_counter() - start) * 1000
+
+
 def moving_a_session(url: str, target: str, kind: str, context: int, repeats: int) -> dict[str, Any]:
     """Milliseconds to serve a session's next call on ``target``: by KV migration (ours) and by
     prefilling its recorded context there (both engines)."""
@@ -187,9 +194,7 @@ def moving_a_session(url: str, target: str, kind: str, context: int, repeats: in
         for repeat in range(repeats):
             rng = random.Random(context * 10 + repeat)
             prompt = [rng.randrange(*VOCAB) for _ in range(context)]
-            start = time.perf_counter()
-            _complete(client, target, prompt, 1, repeat, f"fresh-{context}-{repeat}")
-            recompute.append((time.perf_counter() - start) * 1000)
+            recompute.append(_one_token_ms(client, target, prompt, repeat, f"fresh-{context}-{repeat}"))
             if kind == "gyre":
                 session = f"move-{context}-{repeat}"
                 _complete(client, url, prompt[::-1], 1, repeat, session)  # held by the source
@@ -236,16 +241,14 @@ def connector_moves(contexts: list[int], repeats: int) -> dict[str, Any]:
                 for repeat in range(repeats):
                     rng = random.Random(context * 7 + repeat)
                     prompt = [rng.randrange(*VOCAB) for _ in range(context)]
-                    start = time.perf_counter()
-                    _complete(client, source, prompt, 1, repeat, f"save-{context}-{repeat}")
-                    save.append((time.perf_counter() - start) * 1000)
-                    start = time.perf_counter()
-                    _complete(client, target, [*prompt, 11], 1, repeat, f"load-{context}-{repeat}")
-                    load.append((time.perf_counter() - start) * 1000)
+                    save.append(_one_token_ms(client, source, prompt, repeat, f"save-{context}-{repeat}"))
+                    load.append(
+                        _one_token_ms(client, target, [*prompt, 11], repeat, f"load-{context}-{repeat}")
+                    )
                     fresh = [rng.randrange(*VOCAB) for _ in range(context)]
-                    start = time.perf_counter()
-                    _complete(client, target, fresh, 1, repeat, f"fresh-{context}-{repeat}")
-                    recompute.append((time.perf_counter() - start) * 1000)
+                    recompute.append(
+                        _one_token_ms(client, target, fresh, repeat, f"fresh-{context}-{repeat}")
+                    )
                 figures[f"{context // 1024}k"] = {
                     "save_ms": round(statistics.median(save), 1),
                     "load_ms": round(statistics.median(load), 1),
