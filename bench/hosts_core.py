@@ -60,6 +60,7 @@ def core_across_hosts(size: dict[str, Any] = TRAIN_SIZE) -> dict[str, Any]:
                 rows[f"{ranks}_rank" + ("s" if ranks > 1 else "")] = {
                     "step_s": [s["seconds"] for s in steps],
                     "optimizer_state_bytes_by_rank": steps[-1]["optimizer_state_bytes_by_rank"],
+                    "micro_batches_by_rank": [s["micro_batches_by_rank"] for s in steps],
                     "other_host_link_bytes": link_bytes(h1) - before,
                 }
     num = sum(float((weights[2][k] - weights[1][k]).double().pow(2).sum()) for k in weights[1])
@@ -74,7 +75,8 @@ def core_across_hosts(size: dict[str, Any] = TRAIN_SIZE) -> dict[str, Any]:
     for name, row in rows.items():
         print(
             f"core        {name:<8} steps {row['step_s']} s  optimizer state by rank "
-            f"{[round(b / 2**20, 2) for b in row['optimizer_state_bytes_by_rank']]} MiB  bytes on the other "
+            f"{[round(b / 2**20, 2) for b in row['optimizer_state_bytes_by_rank']]} MiB  micro-batches by "
+            f"rank {row['micro_batches_by_rank']}  bytes on the other "
             f"host's link {row['other_host_link_bytes'] / 2**20:.1f} MiB",
             flush=True,
         )
@@ -137,4 +139,7 @@ def _core_step(request: TrainStepRequest, other: TestHost, env: dict[str, str]) 
         "seconds": round(trainer["seconds"], 3),
         "checkpoint_url": trainer["checkpoint_url"],
         "optimizer_state_bytes_by_rank": [r["optimizer_state_bytes"] for r in reports],
+        # every rank computes: rank 0's own share of the step's micro-batches, then each peer's
+        "micro_batches_by_rank": [int(trainer["metrics"].get("core_micro_batches", 0))]
+        + [int(r["micro_batches"]) for r in reports[1:]],
     }

@@ -94,6 +94,10 @@ def test_a_core_of_two_ranks_makes_the_one_rank_update_and_checkpoints_its_share
         report, peers = _step(_request(setup, "two", step, 2))
         two.append(report)
         assert peers[0]["rank"] == 1 and peers[0]["updates"] == 2  # both of the step's updates
+        # both ranks computed: rank 1 took micro-batches of each update as a satellite holding the weights
+        own, total = report["metrics"]["core_micro_batches"], report["metrics"]["micro_batches"]
+        print(f"step {step}: rank 0 computed {own:.0f} micro-batches, rank 1 {peers[0]['micro_batches']}")
+        assert own >= 1 and peers[0]["micro_batches"] >= 1 and own + peers[0]["micro_batches"] == total
         assert (peers[0]["step"], peers[0]["version"]) == (step + 1, step + 1)
         # ZeRO 1 over 2 ranks: each holds about half the master copy and AdamW's moments (partitions
         # are padded to alignment, so not exactly)
@@ -103,6 +107,12 @@ def test_a_core_of_two_ranks_makes_the_one_rank_update_and_checkpoints_its_share
     assert [r["version"] for r in two] == [1, 2] and two[1]["metrics"]["updates"] == 2.0
     start = load_model(setup["model_dir"], dtype="float32").state_dict()
     a, b = _weights(one[1]["checkpoint_url"]), _weights(two[1]["checkpoint_url"])
+    update_size = max(float((a[n] - start[n]).abs().max()) for n in a)
+    update_diff = max(float((b[n] - a[n]).abs().max()) for n in a)
+    print(
+        f"two ranks' weights after 2 steps differ from one rank's by {update_diff / update_size:.2e} of the update"
+    )
+    assert update_diff <= 1e-6 * max(update_size, 1.0)
     for name, value in a.items():
         assert not torch.equal(value, start[name]) or "norm" in name  # it trained
         torch.testing.assert_close(b[name], value, rtol=1e-5, atol=1e-6)

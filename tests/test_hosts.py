@@ -413,5 +413,7 @@ def test_the_hosts_benchmark_trains_with_a_core_rank_on_another_host_and_the_sam
     )
     assert 0.4 * alone <= first <= 0.6 * alone and 0.4 * alone <= second <= 0.6 * alone
     assert len(figures["2_ranks"]["step_s"]) == 2
+    # both ranks computed micro-batches of each step (rank 1 on the other host)
+    assert all(min(by_rank) >= 1 for by_rank in figures["2_ranks"]["micro_batches_by_rank"]), figures
     if figures["namespaces"]:  # the second rank's reads from S3 and the broadcasts crossed its link
         assert figures["2_ranks"]["other_host_link_bytes"] > 4 * figures["parameters"]

@@ -14,9 +14,11 @@ module is bf16 and DeepSpeed keeps the one fp32 master. ``python -m bench.train_
 
 A core of several ranks (``world``, a CoreWorld: [cluster] core_hosts puts ranks on other hosts) is
 one DeepSpeed world over torch.distributed (gloo on CPU, NCCL on GPUs). Rank 0 is this trainer: it
-computes the step's gradient sum as before and broadcasts it with each command (``apply``, a
-checkpoint, the end of the step); the other ranks (engines/train/peer.py, ``follow``) inject the same
-sum, so DeepSpeed's data-parallel mean is that sum, and every rank steps its share of the optimizer
+opens each elastic step and invites the other ranks to it (``invite``): each (engines/train/peer.py,
+``follow``) takes micro-batches of the step as a satellite does, with the weights it already holds,
+so every rank computes; rank 0 reduces the step's gradient sum (engines/train/elastic.py) and
+broadcasts it with each command (``apply``, a checkpoint, the end of the step); the other ranks
+inject the same sum, so DeepSpeed's data-parallel mean is that sum, and every rank steps its share of the optimizer
 state (ZeRO 1-2) and gathers the updated weights. The update equals the one-rank core's (the clip's
 norm is summed over the shares, so it may differ in the last bits). Checkpoints are collective: every
 rank writes its optimizer share to the same checkpoint folder in object storage, and restores it.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -118,7 +121,7 @@ def interface_of(address: str) -> str:
 
 
 # a command from rank 0 to the others: [what, size of what follows, step, version]
-_APPLY, _NOT_A_VERSION, _SAVE, _STOP = 1, 2, 3, 4
+_APPLY, _NOT_A_VERSION, _SAVE, _STOP, _JOIN = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -229,9 +232,20 @@ class CoreTrainer:
         header = torch.tensor([what, size, self.step, self.version], dtype=torch.int64)
         torch.distributed.broadcast(header, 0)
 
-    def follow(self) -> int:
+    def invite(self, address: tuple[str, int, int]) -> None:
+        """Rank 0 of a core of several: the other ranks join the elastic step at ``address`` (host,
+        port, step) and compute micro-batches of it with the weights they hold (``follow``'s ``join``)."""
+        if self.world is None or self.rank != 0:
+            raise RuntimeError("only rank 0 of a core of several invites its ranks to a step")
+        encoded = torch.tensor(list(":".join(str(part) for part in address).encode()), dtype=torch.uint8)
+        self._command(_JOIN, encoded.numel())
+        torch.distributed.broadcast(encoded, 0)
+
+    def follow(self, join: Callable[[str, int, int], None] | None = None) -> int:
         """A rank above 0: makes every update, checkpoint and version rank 0 sends, until it ends the
-        step (or a collective times out: rank 0 died). Returns the updates made."""
+        step (or a collective times out: rank 0 died); ``join(host, port, step)`` takes its share of
+        each elastic step rank 0 invites it to (engines/train/peer.py: as a satellite that holds the
+        step's weights already). Returns the updates made."""
         if self.rank == 0:
             raise RuntimeError("rank 0 leads; only the other ranks of a core follow")
         updates = 0
@@ -239,7 +253,14 @@ class CoreTrainer:
             header = torch.zeros(4, dtype=torch.int64)
             torch.distributed.broadcast(header, 0)
             what, size, self.step, self.version = (int(v) for v in header)
-            if what in (_APPLY, _NOT_A_VERSION):
+            if what == _JOIN:
+                raw = torch.empty(size, dtype=torch.uint8)
+                torch.distributed.broadcast(raw, 0)
+                host, port, step = bytes(raw.tolist()).decode().rsplit(":", 2)
+                self.sync_worker()
+                if join is not None:
+                    join(host, int(port), int(step))
+            elif what in (_APPLY, _NOT_A_VERSION):
                 grad = torch.empty(size, dtype=torch.float64)
                 torch.distributed.broadcast(grad, 0)
                 self._apply(grad, new_version=what == _APPLY)

@@ -116,6 +116,7 @@ class StepReport:
             "satellites": float(len(self.members) - 1),
             "satellites_left": float(len(self.left)),
             "micro_batches": float(self.micro_batches),
+            "core_micro_batches": float(len(self.by_participant.get(CORE, []))),  # rank 0's own
             "last_arrival_s": max(self.arrivals_s, default=0.0),
             "core_wait_s": self.wait_s.get(CORE, 0.0),
             **{f"{k}_s": v for k, v in self.timings.items()},
@@ -245,6 +246,10 @@ class StreamingStep:
         )
         self._started = started
         self._published = time.perf_counter()
+        self.ranks_invited = 0  # the other ranks of a core of several compute this step too
+        if core.world is not None and core.rank == 0:
+            core.invite(self.address)
+            self.ranks_invited = core.ranks - 1
 
     @property
     def address(self) -> tuple[str, int, int]:
@@ -319,9 +324,20 @@ class StreamingStep:
                     self._compute(stats, state, index)
                     self.recomputed.append(index)
 
+    def _wait_for_ranks(self) -> None:
+        """Until the core's other ranks have joined (they hold the weights: it takes milliseconds), so
+        each computes a share of even a small step; one that has not joined within the world's
+        timeout finds the work taken and is still exact."""
+        if not self.ranks_invited:
+            return
+        deadline = time.monotonic() + self.coordinator.core.world.timeout_s
+        while self.store.add("joined", 0) < self.ranks_invited and time.monotonic() < deadline:
+            time.sleep(self.config.poll_s)
+
     def _train(self, pace_s: float, on_micro_batch: Callable[[int], None] | None) -> StepReport:
         store, core, config = self.store, self.coordinator.core, self.config
         worker = core.worker
+        self._wait_for_ranks()
         stats = StepStats()
         waited, idle = 0.0, Idle(config)
         next_check = time.time() + 2 * config.heartbeat_s

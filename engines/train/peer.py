@@ -2,12 +2,15 @@
 
     python -m engines.train.peer --rank 1 --address 10.0.0.3 < request.json
         # the step's TrainStepRequest, the same one rank 0 (python -m engines.train.run) reads
-        # -> {"rank", "step", "version", "updates", "optimizer_state_bytes", "seconds"}, the last stdout line
+        # -> {"rank", "step", "version", "updates", "micro_batches", "optimizer_state_bytes", "seconds"},
+        #    the last stdout line
 
 It restores the core as rank 0 does (the starting policy, or the previous step's checkpoint with this
 rank's optimizer share, from object storage: nothing from rank 0's disk), joins the DeepSpeed world at
-rank 0's rendezvous, and follows rank 0 until the step ends: every update with the gradient sum rank 0
-sends, and the checkpoint, where it writes its share. If rank 0 dies, its next collective times out
+rank 0's rendezvous, and follows rank 0 until the step ends: it computes micro-batches of every
+elastic step rank 0 invites it to (as a satellite that already holds the weights: its gradient sum
+joins rank 0's reduction, engines/train/elastic.py), makes every update with the summed gradient
+rank 0 sends, and writes its share of the checkpoint. If rank 0 dies, its next collective times out
 (CoreWorld.timeout_s) and it exits with an error; a retried step starts every rank again.
 """
 
@@ -19,7 +22,9 @@ import sys
 import time
 
 from engines.devices import settings as devices
+from engines.train.elastic_protocol import ElasticConfig
 from engines.train.run import TrainStepRequest, restore
+from engines.train.satellite import read_batch, run_satellite
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,12 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     core = restore(request, world)
     if core.step != request.step:
         raise ValueError(f"the checkpoint {request.resume_from} is at step {core.step}, not {request.step}")
-    updates = core.follow()
+    computed: list[int] = []
+    elastic = ElasticConfig(address=world.local_address)
+
+    def join(host: str, port: int, step: int) -> None:
+        result = run_satellite(host, port, step, core.worker, read_batch, config=elastic, holds_weights=True)
+        computed.extend(result.get("micro_batches", []))
+
+    updates = core.follow(join)
     report = {
         "rank": args.rank,
         "step": core.step,
         "version": core.version,
         "updates": updates,
+        "micro_batches": len(computed),  # of the step's updates, computed on this rank
         "optimizer_state_bytes": core.optimizer_state_bytes(),
         "seconds": round(time.perf_counter() - started, 3),
     }

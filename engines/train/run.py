@@ -40,6 +40,7 @@ from engines.train.config import CoreWorld, TrainerConfig
 from engines.train.core import CoreTrainer
 from engines.train.elastic import ElasticCoordinator
 from engines.train.elastic_protocol import ElasticConfig
+from engines.train.stream import write_chunk
 from trajectory_store.processor import PackedSequence, table_to_sequences
 
 
@@ -171,15 +172,21 @@ def step_updates(
     plan = [part for _ in range(config.epochs) for part in mini_batches(sequences, config.mini_batches, rng)]
     plan = plan or [[]]  # no sequences: one step closed empty, a version without an update
     reports = []
+    world = core.world  # a core of several: its other ranks reach each step at rank 0's address
+    host = "127.0.0.1" if world is None else world.local_address or world.address
+    elastic = ElasticConfig(address=None if host.startswith("127.") else host)
     for k, part in enumerate(plan):
-        coordinator = ElasticCoordinator(core)
+        uri = request.batch_uri
+        if world is not None and len(plan) > 1:  # the other ranks read this update's part, not the batch
+            uri = write_chunk(part, f"{uri.removesuffix('.parquet')}-update{k}.parquet", request.step)
+        coordinator = ElasticCoordinator(core, host=host, config=elastic)
         try:
             reports.append(
                 coordinator.run_step(
                     request.step,
                     part,
                     request.n_executions,
-                    batch_uri=request.batch_uri,
+                    batch_uri=uri,
                     weights_dir=request.fast_dir,
                     final=k == len(plan) - 1,
                 )
@@ -201,6 +208,7 @@ def step_updates(
             grad_norm=sum(r.grad_norm for r in reports) / len(reports),
             tokens_trained=float(sum(r.stats.tokens for r in reports) / config.epochs),
             micro_batches=float(sum(r.micro_batches for r in reports)),
+            core_micro_batches=float(sum(len(r.by_participant.get(0, [])) for r in reports)),
             step_s=sum(r.timings["step"] for r in reports),
         )
     metrics["updates"] = float(len(reports))

@@ -76,9 +76,12 @@ def run_satellite(
     leave: Callable[[], bool] | None = None,
     leave_after: int | None = None,
     joined: Callable[[dict], None] | None = None,
+    holds_weights: bool = False,
 ) -> dict:
     """A satellite's share of one step. ``leave`` is asked between micro-batches and while idle:
     True hands the gradient sum over to the core and returns at once (the cell can serve rollouts).
+    ``holds_weights``: ``worker`` computes on the step's weights already (a rank of the core: its
+    DeepSpeed world keeps every rank's weights equal), so nothing is pulled.
 
     Test and benchmark hooks: ``join_when`` delays joining ("after half the micro-batches"),
     ``die_after`` ends the process abruptly after that many micro-batches, ``leave_after`` leaves
@@ -100,8 +103,13 @@ def run_satellite(
     heartbeat = Heartbeat(store, f"hb/{sid}", config.heartbeat_s)
     try:
         pulled = time.perf_counter()
-        weights, version, source = pull_weights(meta, config.address)
-        worker.load_weights(weights, version)
+        if holds_weights:
+            version, source = meta["version"], "held"
+            if worker.version != version:
+                raise ValueError(f"this rank holds version {worker.version}; step {step} trains {version}")
+        else:
+            weights, version, source = pull_weights(meta, config.address)
+            worker.load_weights(weights, version)
         pull_s = time.perf_counter() - pulled
         cache = ChunkCache(load_batch)
         worker.reset()
