@@ -288,7 +288,7 @@ def _kill_gateway_during_step_0(config, thread: threading.Thread, result: dict) 
     answers) with the cells' engines."""
     from prefect.blocks.system import Secret
 
-    from tasks.services.campaign import running_cluster_stacks
+    from stack.campaign import running_cluster_stacks
 
     deadline = time.monotonic() + 600
     while not running_cluster_stacks():
@@ -339,7 +339,7 @@ def _evaluated_version_0(config) -> bool:
 
 def running_fleets_order_block() -> str:
     """The Secret block holding the running campaign's admin tokens."""
-    from tasks.services.campaign import running_fleets
+    from stack.campaign import running_fleets
 
     return running_fleets()[0].order.tokens_block
 
@@ -349,7 +349,7 @@ def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -
     there); then waits until the fleet has found it lost and its cells serve again elsewhere."""
     from prefect.blocks.system import Secret
 
-    from tasks.services.campaign import running_fleets
+    from stack.campaign import running_fleets
 
     deadline = time.monotonic() + 900
 

@@ -53,7 +53,7 @@ from engines.admin import AdminClient
 from engines.net import free_port
 from engines.quantiles import quantile
 from environments.gateway_admin import EXECUTIONS, finish_path
-from tasks.services.stack import serving_process
+from stack.stack import serving_process
 
 DEFAULT_OUT = "bench/results/engine.json"
 PRESETS: dict[str, dict[str, Any]] = {

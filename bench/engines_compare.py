@@ -1,5 +1,5 @@
 """`gyre bench engine --engines gyre,vllm`: the rollout engines side by side, each as a campaign runs it
-(a server process behind our engine API, started by tasks/services/serving.py), on the same workload.
+(a server process behind our engine API, started by stack/serving.py), on the same workload.
 
     gyre bench engine --engines gyre,vllm [--quick] [--out bench/results/engines.json]
 
@@ -44,8 +44,8 @@ from bench.figures import write_figures
 from engines.admin import EXPORT_SESSION, IMPORT_SESSION, AdminClient, SessionExport, SessionImport
 from engines.net import free_port
 from engines.quantiles import quantile
-from tasks.services.serving import ServingConfig, engine_process
-from tasks.services.stack import serving_process
+from stack.serving import ServingConfig, engine_process
+from stack.stack import serving_process
 
 DEFAULT_OUT = "bench/results/engines.json"
 POLICY = "data/policies/tiny-sft"

@@ -49,7 +49,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from tasks.services.up import revivals
+from stack.up import revivals
 from trajectory_store.storage import Store, StoreConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +161,7 @@ def _ancestors(pid: int) -> list[int]:
 
 
 def service_pid(data_root: str, name: str) -> int:
-    from tasks.services.up import read_record
+    from stack.up import read_record
 
     record = read_record(data_root)
     assert record is not None, f"no gyre up record for {data_root}"
@@ -300,8 +300,8 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
     from environments.ledger import execution_id_for
     from environments.problems import Problem
     from flows.config import CampaignConfig
+    from stack.up import read_record
     from tasks.problems import step_problems
-    from tasks.services.up import read_record
 
     ids: list[str] = []
 
@@ -408,7 +408,7 @@ def rows(root: Path, policy: str, quick: bool) -> list[tuple[str, Callable[[], t
 
 
 def stop_services(root: Path) -> None:
-    from tasks.services.up import down
+    from stack.up import down
 
     for kind in ("colocate", "scheduler"):
         down(str(root / kind))

@@ -29,8 +29,8 @@ from environments.ledger import step_ledger
 from environments.problems import Problem
 from environments.runner import ExecutionOutcome
 from environments.sandbox_host import release_mounts
+from stack.stack import LocalStack, local_stack, serving_process
 from tasks.rollout import choose_problems
-from tasks.services.stack import LocalStack, local_stack, serving_process
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 

@@ -24,9 +24,9 @@ from environments.dispatch_config import DurationProfile
 from environments.ledger import step_ledger
 from environments.problems import Problem
 from environments.runner import ExecutionOutcome
+from stack.campaign import Services  # module level: the flow's annotations resolve against it
+from stack.stack import local_stack
 from tasks.rollout import choose_problems
-from tasks.services.campaign import Services  # module level: the flow's annotations resolve against it
-from tasks.services.stack import local_stack
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 

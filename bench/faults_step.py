@@ -15,7 +15,7 @@ from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.ledger import execution_id_for, step_ledger
 from environments.problems import Problem
 from environments.runner import ExecutionOutcome
-from tasks.services.stack import LocalStack
+from stack.stack import LocalStack
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 

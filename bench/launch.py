@@ -25,8 +25,8 @@ from dataclasses import replace
 from bench.figures import write_figures
 from environments.dispatch import dispatch_missing
 from flows.config import CampaignConfig
+from stack.stack import local_stack
 from tasks.campaign import problems_for
-from tasks.services.stack import local_stack
 from trajectory_store.storage import StoreConfig
 
 DEFAULT_OUT = "bench/results/launch.json"

@@ -2,7 +2,7 @@
 
     python -m bench.load_gateway [--sessions 256] [--seconds 120] [--out bench/results/load_gateway.json]
 
-A local stack (tasks/services/stack.py: one rollout engine process serving the shipped warm start
+A local stack (stack/stack.py: one rollout engine process serving the shipped warm start
 data/policies/tiny-sft widened to float32, and the gateway in its own process) records into a fresh
 store. ``sessions`` executions are registered through the gateway's admin API (GatewayAdmin), then
 ``sessions`` asyncio sessions run at once in this process, each with its own official ``openai``
@@ -57,7 +57,7 @@ from openai import APIError, AsyncOpenAI
 from engines.admin import AdminClient, GatewayStatsReport
 from engines.quantiles import quantile
 from environments.gateway_admin import GatewayAdmin
-from tasks.services.stack import local_stack
+from stack.stack import local_stack
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 

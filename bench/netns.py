@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engines.net import free_port
-from tasks.services.stack import serving_process
+from stack.stack import serving_process
 
 _warned = False
 

@@ -8,7 +8,7 @@ Each way places three cells (an engine of the tiny policy each) on three test ho
 fresh namespaces for each way) behind one gateway on the campaign machine, then cuts h3 off and waits
 until its cell serves again on another host.
 
-- work pools (tasks/services/cluster.py CellFleet): one process worker a host, each cell a flow run
+- work pools (stack/fleet.py CellFleet): one process worker a host, each cell a flow run
   of `gyre-cell/<host>`; a host is lost once its worker misses 3 heartbeats of 2 s and its engines do
   not answer; the cell starts again on the live host with the fewest cells.
 - prefect-ray: a Ray head on the campaign machine (no CPU, so nothing runs there), one Ray node a
@@ -93,8 +93,10 @@ def _work_pools(workdir: Path, test_hosts: list[TestHost], policy: str) -> dict[
 
     from bench.cluster import start_worker, stop_process
     from deployments.cells import deploy_cells
-    from tasks.services.cluster import CellFleet, CellOrder, ClusterConfig
-    from tasks.services.stack import local_stack
+    from stack.cell import CellOrder
+    from stack.cluster_config import ClusterConfig
+    from stack.fleet import CellFleet
+    from stack.stack import local_stack
     from trajectory_store.storage import StoreConfig
 
     root = root_address(test_hosts[0])
@@ -160,8 +162,8 @@ def ray_cell(
     import ray
     from prefect.variables import Variable
 
-    from tasks.services.cluster import serve_cell
-    from tasks.services.serving import ServingConfig
+    from stack.cell import serve_cell
+    from stack.serving import ServingConfig
 
     address = ray.util.get_node_ip_address()
 
@@ -207,7 +209,7 @@ def _prefect_ray(workdir: Path, test_hosts: list[TestHost], policy: str) -> dict
     from prefect_ray import RayTaskRunner
 
     from engines.net import free_port
-    from tasks.services.stack import local_stack
+    from stack.stack import local_stack
     from trajectory_store.storage import StoreConfig
 
     root = root_address(test_hosts[0])

@@ -27,8 +27,8 @@ from typing import Any
 from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
 from environments.sandbox import Sandbox, SandboxLimits, SandboxViolation
+from stack.stack import local_stack
 from tasks.rollout import choose_problems, run_rollout, summarize_outcomes
-from tasks.services.stack import local_stack
 from trajectory_store.config import SelectionConfig
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig

@@ -1,6 +1,6 @@
 """The serving stack and cell pool of bench/schedule_real.py, and one policy's campaign on them.
 
-`RealBench` starts the stack (tasks/services/stack.py: an engine per cell, the gateway, each cell's
+`RealBench` starts the stack (stack/stack.py: an engine per cell, the gateway, each cell's
 CPU share as a cgroup quota where the machine allows) and the `CellPool` once; `run` resets every cell
 to rollout and version 0, runs one policy's campaign with scheduler/controller.py's controller and
 returns its figures, its executions as the simulator's calibration reads them (`measured`) and the
@@ -35,10 +35,10 @@ from scheduler.controller import Controller
 from scheduler.policy import make_policy
 from scheduler.service import cell_pool, run_controller
 from sim.calibrate import Execution, MeasuredRun
+from stack.campaign import Services, policy_path, serve_version
+from stack.serving import ServingConfig
+from stack.stack import local_stack
 from tasks.campaign import problems_for, run_missing
-from tasks.services.campaign import Services, policy_path, serve_version
-from tasks.services.serving import ServingConfig
-from tasks.services.stack import local_stack
 from tasks.steps import CampaignSteps, StepsConfig
 from trajectory_store.config import PackingConfig
 from trajectory_store.db import connect

@@ -32,8 +32,8 @@ from typing import Any
 from bench.figures import write_figures
 from environments.dispatch import dispatch_missing
 from flows.config import CampaignConfig
+from stack.stack import local_stack
 from tasks.campaign import problems_for
-from tasks.services.stack import local_stack
 from trajectory_store.storage import StoreConfig
 
 VALIDATION_SEED = 20000

@@ -92,7 +92,7 @@ def campaign_run(api_url: str, config: Any) -> tuple[str, list[Any]]:
 
 def main(out: str = "bench/results/ui.png", config_path: str = "configs/demo.toml", steps: int = 1) -> int:
     from flows.config import CampaignConfig
-    from tasks.services.up import down, up
+    from stack.up import down, up
 
     config = CampaignConfig.from_toml(config_path).merged({"steps": steps, "evaluation": {"per_suite": 2}})
     with tempfile.TemporaryDirectory(prefix="gyre-ui-") as tmp:

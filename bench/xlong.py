@@ -5,7 +5,7 @@
     python -m bench.xlong [--quick] [--sizes 65536,262144] [--out bench/results/xlong.json]
     gyre bench xlong --only snapshot   # the snapshot stage alone, for every size of --out
 
-Per size, one group of two executions runs through the real stack (tasks/services/stack.py: one
+Per size, one group of two executions runs through the real stack (stack/stack.py: one
 rollout engine process, two torch threads, and the gateway, which records every call to Parquet):
 
 - the xLong execution, a scripted harness (``drive``) on the official ``openai`` client. Its main

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from bench.xlong_workload import WORDS, policy_copy, run_group
 from engines.admin import AdminClient
-from tasks.services.stack import local_stack
+from stack.stack import local_stack
 from trajectory_store import db
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.storage import Store, StoreConfig

@@ -227,7 +227,7 @@ def run_rollout_command(args: argparse.Namespace) -> int:
         if gateway:
             token = admin_token_for(gateway, token)
         elif args.model:
-            from tasks.services.stack import local_stack
+            from stack.stack import local_stack
 
             local = stack.enter_context(local_stack(args.model, store, step=args.step))
             gateway, token = local.gateway_url, local.admin_token

@@ -163,7 +163,7 @@ def check_policy(policy: str) -> None:
 
 
 def _server_url(data_root: str) -> str:
-    from tasks.services.up import read_record
+    from stack.up import read_record
 
     url = settings.prefect_api_url()
     if url:
@@ -185,7 +185,7 @@ def run_campaign_command(args: argparse.Namespace) -> int:
     if args.command == "status":
         return _status(_config(args).store.data_root)
     if args.command == "down":
-        from tasks.services.up import down
+        from stack.up import down
 
         data_root = _config(args).store.data_root
         stopped = down(data_root)
@@ -200,9 +200,9 @@ def run_campaign_command(args: argparse.Namespace) -> int:
 
         url = _server_url(args.data_root or settings.default_data_root())
         settings.use_prefect_server(url)  # the worker process inherits it
-        from tasks.services.zombies import heartbeat_env
+        from stack.zombies import heartbeat_env
 
-        os.environ.update(heartbeat_env())  # and its flow runs beat (tasks/services/zombies.py)
+        os.environ.update(heartbeat_env())  # and its flow runs beat (stack/zombies.py)
         command = worker_command(args.pool)
         print(f"worker for pool {args.pool} on {url}", file=sys.stderr)
         os.execv(command[0], command)
@@ -236,7 +236,7 @@ def _ports(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _up(args: argparse.Namespace, quiet: bool):
-    from tasks.services.up import up
+    from stack.up import up
 
     config = _config(args)
     check_policy(config.policy)
@@ -268,7 +268,7 @@ def _say_revived(names: list[str], error: Exception | None) -> None:
 
 
 def _watch_forever(data_root: str) -> None:
-    from tasks.services.up import watch
+    from stack.up import watch
 
     print("watching: a service whose process dies is started again (Ctrl-C stops watching)", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
@@ -276,7 +276,7 @@ def _watch_forever(data_root: str) -> None:
 
 
 def _status(data_root: str) -> int:
-    from tasks.services.up import status
+    from stack.up import status
 
     rows = status(data_root)
     if not rows:
@@ -295,7 +295,7 @@ def _deploy(args: argparse.Namespace) -> int:
     url = _server_url(args.data_root or settings.default_data_root())
     if args.cells is not None:
         return _deploy_cells(args.cells, url)
-    from tasks.services.zombies import ensure_zombie_automation
+    from stack.zombies import ensure_zombie_automation
 
     with temporary_settings({PREFECT_API_URL: url}):
         ids = register(args.file)
@@ -429,7 +429,7 @@ def _run(args: argparse.Namespace) -> int:
         ui_url, services_note = api_url.removesuffix("/api"), "the cells stop with the campaign"
         watched = None
     else:
-        from tasks.services.up import campaign_stack
+        from stack.up import campaign_stack
 
         data_root, api = config.store.data_root, settings.prefect_api_url()
         record, shared = campaign_stack(
@@ -438,7 +438,7 @@ def _run(args: argparse.Namespace) -> int:
         api_url, ui_url = record.prefect_api_url, record.prefect_ui_url or record.prefect_api_url
         services_note = "`gyre down` stops the services"
         watched = {"on_revive": _say_revived}  # a service that dies while the campaign runs starts again
-        if not shared:  # gyre up's stack serves another policy: it stays as it is (tasks/services/up.py)
+        if not shared:  # gyre up's stack serves another policy: it stays as it is (stack/up.py)
             print(
                 f"gyre up's services serve policy {record.policy}: this campaign starts engines and a gateway "
                 f"of its own for {config.policy}, beside them, for its duration",
@@ -459,8 +459,8 @@ def _run(args: argparse.Namespace) -> int:
     started = time.time()
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
-    from tasks.services.up import watch
-    from tasks.services.zombies import HEARTBEAT_S
+    from stack.up import watch
+    from stack.zombies import HEARTBEAT_S
 
     beating = {PREFECT_API_URL: api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: HEARTBEAT_S}
     stop = threading.Event()
@@ -470,7 +470,7 @@ def _run(args: argparse.Namespace) -> int:
         with (
             temporary_settings(beating),
             Progress(config),
-        ):  # a killed campaign is found (tasks/services/zombies.py)
+        ):  # a killed campaign is found (stack/zombies.py)
             campaign(config)
     finally:
         stop.set()

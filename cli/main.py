@@ -339,12 +339,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model" and args.model_command == "eval":
         return agents.run_eval_command(args)
     if args.command == "gateway":
-        from tasks.services.serve import serve_gateway
+        from stack.serve import serve_gateway
 
         serve_gateway(gateway_settings.config_from_args(args))
         return 0
     if args.command == "engine":
-        from tasks.services.serve import serve_engine
+        from stack.serve import serve_engine
 
         serve_engine(engine_settings.config_from_args(args))
         return 0

@@ -11,7 +11,8 @@ of the package or of a checkout, at any path). Nothing is read from the campaign
 from __future__ import annotations
 
 from deployments.deploy import ensure_pool
-from tasks.services.cluster import CELL_FLOW, CORE_RANK_FLOW, ClusterConfig
+from stack.cell import CELL_FLOW, CORE_RANK_FLOW
+from stack.cluster_config import ClusterConfig
 
 ENTRYPOINT = "flows.cell.cell"
 

@@ -15,7 +15,7 @@ record, grade, snapshots for timeouts) -> [top up zero-signal groups] -> pack (t
 group-relative advantages, staleness) -> free the engines -> train (version n -> n + 1, checkpoint,
 publish) -> commit (tasks/commit.py commit_step: the one recipe of a committed step, which the
 scheduler's steps commit through too). The placement (which engines serve, which cells train) comes from
-tasks/services/placement.py; this issue's is Colocate.
+stack/placement.py; this issue's is Colocate.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
+from stack.campaign import Services, campaign_services
+from stack.placement import Colocate, Placement
 from tasks.campaign import (
     StepProgress,
     choose_problems,
@@ -49,8 +51,6 @@ from tasks.commit import (
 )
 from tasks.report import campaign_summary, role_timeline, start_progress, step_table, update_progress
 from tasks.schedule import Message, ScheduleJob, run_scheduler
-from tasks.services.campaign import Services, campaign_services
-from tasks.services.placement import Colocate, Placement
 from tasks.steps import StepsConfig
 from tasks.tracking import track
 from tasks.train import BatchSummary, step_request, train_step

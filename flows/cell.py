@@ -1,7 +1,7 @@
 """One cell of a campaign on its host: a long-lived flow run of the host's `gyre-cell` deployment;
 and one rank of the core for one step (`gyre-core-rank`), on a host of ``[cluster] core_hosts``.
 
-A host's process worker runs it (`gyre worker --pool gyre-<host>`); tasks/services/cluster.py
+A host's process worker runs it (`gyre worker --pool gyre-<host>`); stack/fleet.py
 (``CellFleet``) starts, watches and replaces these runs through the Prefect API, and says what a cell
 does. The run is the cell in the UI: Running while its engine serves, Cancelled when the campaign
 stops it, Crashed (with the reason) when its host was lost and the cell moved elsewhere.
@@ -15,8 +15,8 @@ from prefect import flow
 from prefect.blocks.system import Secret
 from prefect.runtime import flow_run
 
-from tasks.services.cluster import TOKENS_BLOCK, run_ended, serve_cell
-from tasks.services.serving import ServingConfig
+from stack.cell import TOKENS_BLOCK, run_ended, serve_cell
+from stack.serving import ServingConfig
 from tasks.train import TrainStepRequest, run_core_rank
 
 

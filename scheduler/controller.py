@@ -9,7 +9,7 @@ being trained as soon as the core cell trains (engines/train/stream.py), whichev
 joined take its micro-batches, and the step closes when its last group is in. The core publishes the
 new version, the engines that serve swap to it, and the next step opens at once.
 
-Nothing here knows about Prefect, problems or storage: a `Runtime` (tasks/schedule.py) runs one
+Nothing here knows about Prefect, problems or storage: a `Runtime` (tasks/steps.py CampaignSteps) runs one
 execution, packs one group, starts the core's training process and swaps engine weights. Each step
 the core trains ends as a `StepDone` (with the core's TrainStepReport) handed to ``on_step``, which
 commits it (scheduler/service.py).

@@ -62,7 +62,7 @@ def cell_pool(
 ) -> CellPool:
     """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``;
     ``cells``: each cell's devices (its replica's GPUs, cores, threads and CPU cgroup; None: one thread
-    each); ``partition``: the cells' CPU cgroups (tasks/services/stack.py LocalStack.partition)."""
+    each); ``partition``: the cells' CPU cgroups (stack/stack.py LocalStack.partition)."""
     engines = {e.url: e.engine_id for e in admin.gateway_stats().engines}
     specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
     return CellPool.behind_gateway(admin, specs, model_dir, threads=1, cells=cells, partition=partition)

@@ -35,6 +35,7 @@ from environments.harness_config import HarnessConfig
 from environments.problems import Problem
 from environments.runner import ExecutionOutcome
 from environments.suites import SuiteSpec, record_changes
+from stack.campaign import Services, sleep_engines
 from tasks.problems import (
     EvaluationConfig,
     ProblemsConfig,
@@ -43,7 +44,6 @@ from tasks.problems import (
     step_problems,
     suite_mix,
 )
-from tasks.services.campaign import Services, sleep_engines
 from tasks.steps import StepsConfig, executions_figures, pack, serve_policy
 from tasks.train import BatchSummary
 from trajectory_store.config import SelectionConfig

@@ -24,7 +24,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from engines.train.run import TrainStepReport
-from tasks.services.up import revivals
+from stack.up import revivals
 from trajectory_store.schema import METRICS_SCHEMA, SCHEMA_VERSION
 from trajectory_store.storage import Store, StoreConfig
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from engines.train.config import TrainerConfig
 from environments.dispatch_config import DispatchConfig
 from scheduler.config import SchedulerConfig
+from stack.cluster_config import ClusterConfig
+from stack.serving import ServingConfig
 from tasks.problems import EvaluationConfig, ProblemsConfig
-from tasks.services.cluster_config import ClusterConfig
-from tasks.services.serving import ServingConfig
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.storage import StoreConfig
 from trajectory_store.tracking import TrackingConfig

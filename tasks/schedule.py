@@ -30,8 +30,8 @@ from prefect.cache_policies import NO_CACHE
 from engines.admin import AdminClient
 from scheduler.report import Message
 from scheduler.service import SchedulerConfig, cell_pool, schedule_steps
+from stack.campaign import Services
 from tasks.commit import last_committed, write_metrics
-from tasks.services.campaign import Services
 from tasks.steps import CampaignSteps, StepsConfig
 
 __all__ = ["Message", "ScheduleJob", "SchedulerConfig", "run_scheduler"]

@@ -16,8 +16,8 @@ from prefect import task
 from environments.demos import demonstrations, gives_up
 from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
+from stack.stack import local_stack
 from tasks.rollout import choose_problems, run_rollout, summarize_outcomes
-from tasks.services.stack import local_stack
 from trajectory_store.storage import StoreConfig
 
 TRAIN_SEED_BASE = 1000  # held-out problems use seeds below this

@@ -44,16 +44,16 @@ from environments.zygote import Zygote
 from scheduler.cells import Switch
 from scheduler.controller import Chunk, StepWork
 from scheduler.report import Outcome, StepDone
-from tasks.commit import StepTimes, commit_step, prune_checkpoints, write_metric_rows
-from tasks.problems import ProblemsConfig, step_problems
-from tasks.services.campaign import (
+from stack.campaign import (
     Services,
     policy_path,
     prune_fast_dir,
     readd_dead_engines,
     serve_version,
 )
-from tasks.services.serving import ServingConfig
+from stack.serving import ServingConfig
+from tasks.commit import StepTimes, commit_step, prune_checkpoints, write_metric_rows
+from tasks.problems import ProblemsConfig, step_problems
 from tasks.train import CoreService, CoreStep, step_request
 from trajectory_store.config import PackingConfig, SelectionConfig
 from trajectory_store.db import connect

@@ -32,8 +32,9 @@ from engines.net import free_port
 from engines.train.config import CoreWorld, LossConfig, TrainerConfig
 from engines.train.run import TrainStepReport, TrainStepRequest
 from engines.train.stream import StreamProducer
-from tasks.services.campaign import Services, running_fleets
-from tasks.services.cluster import ClusterConfig, cancel_core_ranks, start_core_ranks, wait_core_ranks
+from stack.campaign import Services, running_fleets
+from stack.cluster_config import ClusterConfig
+from stack.core_ranks import cancel_core_ranks, start_core_ranks, wait_core_ranks
 
 if TYPE_CHECKING:
     from scheduler.controller import Chunk

@@ -24,7 +24,7 @@ from engines.train.elastic import ElasticCoordinator
 from engines.train.stream import StreamProducer, write_chunk
 from environments.gateway_admin import GatewayAdmin
 from scheduler.cells import CellPool, CellSpec, Left, Replica
-from tasks.services.stack import local_stack
+from stack.stack import local_stack
 from tests.campaign_fixtures import tiny_policy
 from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
 from trajectory_store.storage import StoreConfig

@@ -15,7 +15,9 @@ import pytest
 from pydantic import ValidationError
 
 from engines.admin import AdminClient
-from tasks.services.cluster import CellFleet, CellOrder, CellRun, ClusterConfig, HostSpec
+from stack.cell import CellOrder
+from stack.cluster_config import ClusterConfig, HostSpec
+from stack.fleet import CellFleet, CellRun
 
 
 def test_a_cluster_places_cells_in_its_hosts_order_and_refuses_what_it_cannot_place():
@@ -204,7 +206,7 @@ def test_a_cell_stops_once_its_run_is_crashed_or_cancelling_and_serves_on_while_
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling, Crashed, Running
 
-    from tasks.services.cluster import run_ended
+    from stack.cell import run_ended
 
     @flow(name="fence-probe")
     def probe() -> None:
@@ -303,7 +305,7 @@ def test_a_cell_whose_run_keeps_ending_is_started_again_then_given_up(prefect_ha
 def test_a_host_fetches_a_policy_folder_from_object_storage_once(s3_bucket, monkeypatch, tmp_path):
     import s3fs
 
-    from tasks.services.cluster import local_policy
+    from stack.cell import local_policy
 
     endpoint, bucket = s3_bucket
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
@@ -371,9 +373,9 @@ def test_a_cell_joins_its_gateway_again_once_the_gateway_was_started_again(tmp_p
     as dead (declared so by the fleet) is left alone."""
     import threading
 
-    from tasks.services.cluster import rejoin, serve_cell
-    from tasks.services.serving import ServingConfig
-    from tasks.services.stack import local_stack
+    from stack.cell import rejoin, serve_cell
+    from stack.serving import ServingConfig
+    from stack.stack import local_stack
     from trajectory_store.storage import StoreConfig
 
     stop = threading.Event()

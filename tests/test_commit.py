@@ -9,7 +9,7 @@ import pytest
 from engines.train.run import TrainStepReport
 from scheduler.cells import Switch
 from tasks.commit import StepTimes, commit_step, committed_steps
-from tasks.schedule import switch_figures
+from tasks.steps import switch_figures
 from trajectory_store.db import connect
 from trajectory_store.storage import Store, StoreConfig
 

@@ -2,7 +2,7 @@
 policy with one step in flight and the core lent to rollout (so the core rolls out each step's bulk,
 each step's tail frees cells for its training and the next step calls them back), on three cells
 (engines behind the gateway, replica processes, the core as a --serve process). Built from the
-product's own pieces only: the local stack, the cell pool, the campaign's runtime (tasks/schedule.py
+product's own pieces only: the local stack, the cell pool, the campaign's runtime (tasks/steps.py
 CampaignSteps, its steps' work included) and the controller.
 
 Every execution finishes and is recorded, both steps publish a version, cells move to training and
@@ -26,9 +26,9 @@ from scheduler.controller import Controller
 from scheduler.policy import make_policy
 from scheduler.report import cpu_busy
 from scheduler.service import cell_pool, run_controller
+from stack.campaign import Services, policy_path, serve_version
+from stack.stack import local_stack
 from tasks.campaign import ProblemsConfig, problems_for, run_missing
-from tasks.services.campaign import Services, policy_path, serve_version
-from tasks.services.stack import local_stack
 from tasks.steps import CampaignSteps, StepsConfig
 from trajectory_store.config import PackingConfig
 from trajectory_store.db import connect

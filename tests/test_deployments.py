@@ -179,7 +179,7 @@ victim()
 
 @pytest.mark.slow
 def test_a_flow_whose_process_is_killed_is_marked_crashed(local_server):
-    """Prefect alone leaves it RUNNING forever; gyre's automation (tasks/services/zombies.py, installed by
+    """Prefect alone leaves it RUNNING forever; gyre's automation (stack/zombies.py, installed by
     `gyre up` and `gyre deploy`) sets it CRASHED once its heartbeats stop, so a Retry can resume it."""
     import asyncio
     from uuid import UUID
@@ -188,7 +188,7 @@ def test_a_flow_whose_process_is_killed_is_marked_crashed(local_server):
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.services.zombies import ensure_zombie_automation, heartbeat_env
+    from stack.zombies import ensure_zombie_automation, heartbeat_env
 
     url, env = local_server
 

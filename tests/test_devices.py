@@ -18,7 +18,7 @@ import pytest
 
 from engines.admin import AdminClient
 from engines.devices import CellDevices, process_env
-from tasks.services.up import ServingConfig
+from stack.up import ServingConfig
 from tests.campaign_fixtures import tiny_policy
 
 
@@ -107,7 +107,7 @@ def _engine_devices(url: str, token: str) -> dict:
 def test_up_starts_each_engine_with_its_cells_gpus_threads_and_cores(prefect_harness, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.services.up import down, up
+    from stack.up import down, up
 
     first, last = _two_cores()
     serving = ServingConfig(devices=[[0], [1, 2]], cores=[[first], [last]], engine_threads=2)
@@ -139,12 +139,12 @@ def test_up_starts_each_engine_with_its_cells_gpus_threads_and_cores(prefect_har
 
 @pytest.mark.slow
 def test_a_campaigns_own_stack_trainer_and_replicas_take_their_cells(tmp_path):
-    """The stack a campaign starts when `gyre up` runs none (tasks/services/campaign.py), the trainer
+    """The stack a campaign starts when `gyre up` runs none (stack/campaign.py), the trainer
     process (tasks/train.py, as the step flow and the scheduler start it) and a scheduler cell's
     replica (scheduler/cells.py): each on the cell the same [serving] names for it."""
     from scheduler.cells import Replica
-    from tasks.services.campaign import campaign_services
-    from tasks.services.placement import Colocate
+    from stack.campaign import campaign_services
+    from stack.placement import Colocate
     from tasks.train import CoreService
     from trajectory_store.storage import StoreConfig
 

@@ -11,8 +11,8 @@ import pytest
 from bench.faults_processes import kill_dispatcher, kill_engine, misbehaving
 from bench.faults_scale import s3_stall
 from bench.faults_step import POLICY
+from stack.stack import local_stack
 from tasks.rollout import choose_problems
-from tasks.services.stack import local_stack
 from trajectory_store.storage import StoreConfig
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ def test_a_campaign_lives_through_its_processes_killed(tmp_path):
     engine_url = {}
 
     def engine(run) -> int:
-        from tasks.services.up import read_record
+        from stack.up import read_record
 
         engine_url["url"] = read_record(data).engine_urls[1]
         return service_pid(data, "engine-1")

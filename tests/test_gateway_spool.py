@@ -16,7 +16,7 @@ import pytest
 
 from engines.model.tokenizer import save_tokenizer
 from environments.gateway_admin import GatewayAdmin
-from tasks.services.stack import serving_process
+from stack.stack import serving_process
 from tests.scripted_engine import scripted_engine_app
 from tests.test_gateway_fixtures import ADMIN_TOKEN, scripted_gateway_config, serving, tokenizer
 from trajectory_store.recorder import Recorder

@@ -23,7 +23,7 @@ from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.gateway_admin import GatewayAdmin, GatewayAdminError
 from environments.gateways import STANDBY_CALL_BASE, GatewayPool, gateway_order
 from environments.relay import LoopbackRelay, Upstreams
-from tasks.services.stack import serving_process
+from stack.stack import serving_process
 from tests.scripted_engine import scripted_engine_app, tool_call
 from tests.test_gateway_fixtures import ADMIN, ADMIN_TOKEN, scripted_gateway_config, serving, tokenizer
 from tests.test_harness import turns, two_file_problem

@@ -96,7 +96,7 @@ def test_an_engine_on_another_host_loads_a_new_version_from_object_storage(tmp_p
     from engines.model.weights import save_weights
     from engines.net import free_port
     from engines.rollout import EngineConfig, GenerateRequest, RolloutEngine, SamplingParams
-    from tasks.services.campaign import Services, serve_version
+    from stack.campaign import Services, serve_version
     from tests.test_rollout_fixtures import perturbed_state, tiny_policy
 
     policy = tiny_policy()
@@ -169,7 +169,7 @@ def test_an_engine_host_is_its_spec_or_its_url():
 def test_a_remote_engine_loads_from_object_storage_only_when_the_store_is_remote(s3_bucket, monkeypatch):
     import s3fs
 
-    from tasks.services.campaign import Services, remote_policy_path
+    from stack.campaign import Services, remote_policy_path
 
     def services(root: str) -> Services:
         return Services(

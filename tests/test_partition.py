@@ -269,7 +269,7 @@ def test_a_cells_processes_are_started_with_its_cgroup_and_a_campaigns_services_
     """process_env names the cell's cgroup (the process joins it in enter_cell); a campaign's
     Services carry each cell's, so the scheduler's replicas and core trainer join their cell's."""
     from engines.devices import process_env
-    from tasks.services.campaign import Services
+    from stack.campaign import Services
 
     cell = CellDevices(
         threads=2, cgroup=["/sys/fs/cgroup/cpu/gyre/r.1/cell-0", "/sys/fs/cgroup/cpuacct/gyre/r.1/cell-0"]

@@ -1,5 +1,5 @@
 """Options generated from the config classes (engines/options.py), the settings modules that read the
-environment (one per process), and configs passed between processes as JSON (tasks/services/stack.py)."""
+environment (one per process), and configs passed between processes as JSON (stack/stack.py)."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def child_command_lines() -> list[str]:
 
 @pytest.mark.slow
 def test_local_stack_hands_each_process_its_config_as_json(tiny_model, tmp_path):
-    from tasks.services.stack import local_stack
+    from stack.stack import local_stack
     from trajectory_store.storage import StoreConfig
 
     store = StoreConfig(data_root=str(tmp_path / "data"), campaign="json-stack")
@@ -240,7 +240,7 @@ def test_the_servers_keep_an_idle_connection_longer_than_a_client_does(tiny_mode
     from concurrent.futures import ThreadPoolExecutor
 
     from engines.net import KEEP_ALIVE_S
-    from tasks.services.stack import local_stack
+    from stack.stack import local_stack
     from trajectory_store.storage import StoreConfig
 
     client_keep_alive = httpx.Limits().keepalive_expiry
@@ -253,7 +253,7 @@ def test_the_servers_keep_an_idle_connection_longer_than_a_client_does(tiny_mode
 
 
 def test_a_dead_servers_log_tail_keeps_its_error_and_drops_nanobinds_leak_lines():
-    from tasks.services.stack import log_tail
+    from stack.stack import log_tail
 
     leaks = "nanobind: leaked 4 instances!\n" + "".join(f' - leaked function "f{i}"\n' for i in range(300))
     text = "Traceback ...\nOSError: [Errno 98] Address already in use\nINFO:     Shutting down\n" + leaks

@@ -14,9 +14,9 @@ import pytest
 from engines.train.run import TrainStepReport
 from flows.config import CampaignConfig
 from scheduler.report import Committed, Done, Heartbeat, Message, StepDone
+from stack.campaign import Services
 from tasks.commit import committed_steps
 from tasks.problems import EvaluationConfig
-from tasks.services.campaign import Services
 from tasks.steps import CampaignSteps, StepsConfig, pack
 from trajectory_store.config import PackingConfig
 from trajectory_store.recorder import Recorder

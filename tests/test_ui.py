@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bench.ui import campaign_run, page_text
-from tasks.services.up import down, up
+from stack.up import down, up
 from tests.campaign_fixtures import tiny_campaign, tiny_policy
 
 

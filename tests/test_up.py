@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tasks.services.up import (
+from stack.up import (
     ServiceRecord,
     ServingConfig,
     UpRecord,
@@ -56,7 +56,7 @@ def test_up_serves_a_campaign_and_down_stops_only_what_it_started(prefect_harnes
         stopped = down(data_root)
     assert stopped == ["gateway", "engine-0", "prefect"]
     assert read_record(data_root) is None and status(data_root) == []
-    from tasks.services.up import _alive
+    from stack.up import _alive
 
     assert not any(_alive(service) for service in record.services)  # each pid gone or another program
 
@@ -78,8 +78,8 @@ def test_a_service_that_dies_is_started_again_where_it_was_and_its_engine_taken_
     from pydantic import SecretStr
 
     from environments.gateway_admin import GatewayAdmin
-    from tasks.services.campaign import Services, readd_dead_engines, serve_version
-    from tasks.services.up import revivals, revive
+    from stack.campaign import Services, readd_dead_engines, serve_version
+    from stack.up import revivals, revive
 
     policy = tiny_policy(tmp_path / "policy")
     data_root = str(tmp_path / "data")
@@ -158,7 +158,7 @@ def test_a_service_that_dies_is_started_again_where_it_was_and_its_engine_taken_
 
 def _record(policy: str, *, engine: str = "gyre", serving: bool = True) -> UpRecord:
     """A record of `gyre up`'s stack: a Prefect server and, with ``serving``, an engine and the gateway."""
-    from tasks.services.serving import ENGINE_MARKERS
+    from stack.serving import ENGINE_MARKERS
 
     services = [ServiceRecord(name="prefect", pid=1, url="http://127.0.0.1:1/api", marker="server", log="")]
     if serving:
@@ -181,7 +181,7 @@ def _record(policy: str, *, engine: str = "gyre", serving: bool = True) -> UpRec
 
 
 def test_a_campaign_runs_on_the_stack_of_its_policy_and_beside_a_stack_of_another():
-    """The decision `gyre run` takes (tasks/services/up.py campaign_stack): on gyre up's stack when it
+    """The decision `gyre run` takes (stack/up.py campaign_stack): on gyre up's stack when it
     serves the campaign's policy with the campaign's engine, beside it (its own engines and gateway, the
     shared Prefect server and UI left running) when it serves another; no stack, or a Prefect server
     alone: `up` starts what the campaign needs."""
@@ -201,7 +201,7 @@ def test_a_campaign_of_another_policy_runs_beside_the_stack_and_gyre_up_keeps_th
     rolls out on engines of its own (none of its calls reaches A's engine) and A's stack still runs;
     `gyre up` for B then replaces the engines and the gateway, and keeps the Prefect server and its UI."""
     from flows.campaign import campaign
-    from tasks.services.up import _alive, campaign_stack, running_stack
+    from stack.up import _alive, campaign_stack, running_stack
     from trajectory_store.storage import Store, StoreConfig
 
     first, other = tiny_policy(tmp_path / "a"), tiny_policy(tmp_path / "b")

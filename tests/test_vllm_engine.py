@@ -25,7 +25,7 @@ from engines.admin import AdminClient
 from engines.model.weights import load_model, save_weights
 from engines.net import free_port
 from environments.gateway_admin import GatewayAdmin
-from tasks.services.stack import local_stack
+from stack.stack import local_stack
 from trajectory_store.db import connect, verify_prompts
 from trajectory_store.storage import Store, StoreConfig
 
@@ -201,8 +201,8 @@ def test_vllm_serves_and_reloads_a_model_of_another_family_with_exact_logprobs(f
     behind the adapter; its raw logprobs match transformers before and after a new version."""
     from engines.model import ModelConfig
     from engines.model.build import save_model_folder
-    from tasks.services.serving import ServingConfig, engine_process
-    from tasks.services.stack import serving_process
+    from stack.serving import ServingConfig, engine_process
+    from stack.stack import serving_process
 
     folder = str(tmp_path / family)
     save_model_folder(ModelConfig(preset="tiny", family=family, seed=3), folder)

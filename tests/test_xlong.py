@@ -12,7 +12,7 @@ import pytest
 
 from bench import xlong
 from engines.model.loading import load_tokenizer
-from tasks.services.stack import local_stack
+from stack.stack import local_stack
 from trajectory_store import db
 from trajectory_store.storage import Store, StoreConfig
 

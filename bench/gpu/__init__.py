@@ -31,7 +31,7 @@ run leaves what it measured):
     migration    two engine processes on the one device: a session's KV moved A->B over /dev/shm
                  (ShmTransport) and over torch IPC (TorchIpcTransport: a CUDA IPC handle on a GPU)
                  vs recomputing the context on B
-    vllm         one vLLM engine started as a campaign starts it (tasks/services/serving.py engine_process:
+    vllm         one vLLM engine started as a campaign starts it (stack/serving.py engine_process:
                  our adapter in front of vLLM's server): start, tokens/s at concurrency 8 (bench/engines_compare
                  agent_workload), a weight reload of version 1, sleep and wake with version 2 (free GPU memory
                  before / asleep / after on a GPU, vLLM's sleep mode; on CPU a pause, memory kept). vLLM is the

@@ -1,5 +1,5 @@
-"""The vllm section: one vLLM engine started the way a campaign starts it (tasks/services/serving.py
-engine_process: our adapter, engines/vllm, in front of vLLM's own server; tasks/services/stack.py
+"""The vllm section: one vLLM engine started the way a campaign starts it (stack/serving.py
+engine_process: our adapter, engines/vllm, in front of vLLM's own server; stack/stack.py
 serving_process waits for its /health), and what it costs: its start, tokens/s at concurrency 8
 (bench/engines_compare.py's agent workload), a weight reload of a new version, and a sleep and a wake.
 

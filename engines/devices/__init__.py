@@ -3,7 +3,7 @@
 A cell (DESIGN.md section 1) owns GPUs, or on CPU a thread budget and optionally named cores. Every
 process of a cell (its rollout engine, its trainer replica, the core trainer of cell 0) is started
 with the environment ``process_env`` computes from its `CellDevices`; every spawner uses it
-(tasks/services/up.py and stack.py for engines, tasks/train.py for the trainer, scheduler/cells.py
+(stack/up.py and stack.py for engines, tasks/train.py for the trainer, scheduler/cells.py
 for replicas), so a cell's process sees the same thing however it was started:
 
     cell = CellDevices(gpus=[2, 3], threads=4, cores=[8, 9, 10, 11])

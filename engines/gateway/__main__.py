@@ -2,7 +2,7 @@
 
 Every option is a GatewayConfig field (its section's: limits, store), generated with its default and
 help by settings.py, which `gyre gateway` uses too; --config FILE (or '-' for stdin) takes the whole
-config as JSON, as tasks/services/stack.py passes it. settings.py also names the environment variables read.
+config as JSON, as stack/stack.py passes it. settings.py also names the environment variables read.
 
     serve(GatewayConfig(model=..., engines=[EngineSpec(url=...)]))   # the same, from a typed config
 """

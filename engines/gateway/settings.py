@@ -1,6 +1,6 @@
 """How the gateway process gets its config (GatewayConfig): command-line options generated from the
 config class (engines/options.py), a whole config as JSON (--config FILE, or '-' for stdin, which is
-how tasks/services/stack.py starts a gateway), and the environment variables it reads (only here):
+how stack/stack.py starts a gateway), and the environment variables it reads (only here):
 
     GYRE_GATEWAY_ADMIN_TOKEN   the admin token when neither --admin-token nor the JSON gives one
                                (else a random one, printed once on stderr)

@@ -1,6 +1,6 @@
 """How the engine server process gets its config (EngineServerConfig): command-line options generated
 from the config class (engines/options.py), a whole config as JSON (--config FILE, or '-' for stdin,
-which is how tasks/services/stack.py starts engines), and the one environment variable it reads:
+which is how stack/stack.py starts engines), and the one environment variable it reads:
 
     GYRE_ROLLOUT_ADMIN_TOKEN   the admin token when neither --admin-token nor the JSON gives one
 

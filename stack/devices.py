@@ -20,7 +20,7 @@ from engines.devices import CellDevices
 
 
 class ServingConfig(Protocol):
-    """The keys of `[serving]` (tasks/services/up.py ServingConfig) a layout is made of."""
+    """The keys of `[serving]` (stack/up.py ServingConfig) a layout is made of."""
 
     engines: int
     engine_threads: int

@@ -46,7 +46,7 @@ from engines.admin import AdminClient, AdminError
 from engines.devices import process_env
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
-from tasks.services.serving import ENGINE_MARKERS, ServingConfig, engine_process
+from stack.serving import ENGINE_MARKERS, ServingConfig, engine_process
 from trajectory_store.storage import StoreConfig
 
 RECORD = "services.json"
@@ -299,7 +299,7 @@ def campaign_stack(
 
     A stack of `gyre up` that serves another policy or engine is left running, the UI and whatever
     campaign uses it included: the campaign uses its Prefect server (started again if its process
-    died) and starts engines and a gateway of its own for its duration (tasks/services/campaign.py
+    died) and starts engines and a gateway of its own for its duration (stack/campaign.py
     campaign_services). With no stack, or one that serves this policy and engine, it is ``up``."""
     record = read_record(data_root)
     if record is None or not runs_beside(record, policy, serving.engine):
@@ -367,7 +367,7 @@ def revive(data_root: str, only: tuple[str, ...] | None = None) -> list[str]:
 def _like_its_siblings(record: UpRecord, url: str) -> None:
     """A restarted engine serves what its live siblings serve (the version of the running step, or
     asleep while the trainer runs), not the policy it starts with; the gateway, which held it dead,
-    takes it back at the next step (tasks/services/campaign.readd_dead_engines)."""
+    takes it back at the next step (stack/campaign.readd_dead_engines)."""
     with AdminClient(engine_token=record.engine_admin_token, timeout_s=600) as admin:
         for sibling in record.engine_urls:
             if sibling == url:
@@ -423,10 +423,10 @@ def watch(
 
 
 def _install_zombie_detection(api_url: str) -> None:
-    """The automation that sets a silent flow run CRASHED (tasks/services/zombies.py), on the server used."""
+    """The automation that sets a silent flow run CRASHED (stack/zombies.py), on the server used."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.services.zombies import install
+    from stack.zombies import install
 
     with temporary_settings({PREFECT_API_URL: api_url}):
         install()

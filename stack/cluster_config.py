@@ -1,6 +1,6 @@
 """``[cluster]``: the hosts a campaign's cells run on (HostSpec, ClusterConfig).
 
-Apart from tasks/services/cluster.py (the fleet of cells, which talks to Prefect and the engines), so a
+Apart from stack/fleet.py (the fleet of cells, which talks to Prefect and the engines), so a
 campaign config is read and checked without them.
 """
 

@@ -31,8 +31,8 @@ from engines.devices import CellDevices, process_env
 from engines.devices.cpu_quota import CpuPartition, cpu_partition
 from engines.gateway.config import EngineSpec, GatewayConfig
 from engines.net import free_port
-from tasks.services.serving import engine_process
-from tasks.services.up import ServingConfig
+from stack.serving import engine_process
+from stack.up import ServingConfig
 from trajectory_store.storage import StoreConfig
 
 
@@ -80,11 +80,11 @@ def local_stack(
     """Starts ``engines`` engine processes (``threads`` torch threads each) and the gateway. Each gets
     its typed config as JSON on stdin (``--config -``): admin tokens never appear in argv or on disk.
     ``cells``: what each engine's process gets (its GPUs, threads and cores: ServingConfig.engine_cell),
-    one per engine, in place of ``threads``. ``engine``: 'gyre' or 'vllm' (tasks/services/serving.py);
+    one per engine, in place of ``threads``. ``engine``: 'gyre' or 'vllm' (stack/serving.py);
     ``serving``: a campaign's whole [serving] (its engine kind and vLLM options) in place of
     max_batch_size, dtype, engine and vllm_python. ``partition``: 'cgroup' gives each cell its CPU share
     as a cgroup quota (None: ``serving``'s, else 'none'). ``gateway_host``: where the gateway listens
-    (an address other hosts reach, for engines there: tasks/services/cluster.py); ``gateways``: how many
+    (an address other hosts reach, for engines there: stack/fleet.py); ``gateways``: how many
     gateway processes, each on a port of its own with the same engines and store
     (environments/gateways.py spreads executions over them)."""
     admin_token, engine_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)

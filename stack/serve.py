@@ -3,7 +3,7 @@
 These are plain functions, not Prefect tasks: a server outlives any flow run (flows reach them over
 HTTP). Each takes its layer's typed config whole (built from the command line by
 engines/gateway/settings.py and engines/rollout/settings.py, which `python -m engines.gateway` and
-`python -m engines.rollout.server` use too); tasks/services/stack.py starts the same servers as processes.
+`python -m engines.rollout.server` use too); stack/stack.py starts the same servers as processes.
 
     gyre gateway --model ./models/tiny --engine http://127.0.0.1:8100 --port 8200
     gyre engine --model ./models/tiny --port 8100

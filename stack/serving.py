@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, NonNegativeFloat, NonNegativeInt, model_v
 from engines.devices import CellDevices
 from engines.rollout.config import EngineConfig, EngineServerConfig
 from engines.vllm.config import VllmServerConfig
-from tasks.services.devices import check_layout, engine_cell, trainer_cell
+from stack.devices import check_layout, engine_cell, trainer_cell
 
 
 class ServingConfig(BaseModel):
@@ -110,11 +110,11 @@ class ServingConfig(BaseModel):
         return self
 
     def engine_cell(self, index: int) -> CellDevices:
-        """What engine-``index`` and its cell's replica get (tasks/services/devices.py)."""
+        """What engine-``index`` and its cell's replica get (stack/devices.py)."""
         return engine_cell(self, index)
 
     def trainer_cell(self) -> CellDevices:
-        """What the trainer process gets (tasks/services/devices.py)."""
+        """What the trainer process gets (stack/devices.py)."""
         return trainer_cell(self)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engines.devices import CellDevices
-from tasks.services.campaign import Services, ServingConfig, live_engine_urls
+from stack.campaign import Services, ServingConfig, live_engine_urls
 
 
 @dataclass(frozen=True)

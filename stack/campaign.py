@@ -6,7 +6,7 @@ version is set.
 
 ``Services`` holds addresses and admin tokens (SecretStr: Prefect records flow parameters, and a
 token shown in the UI would be a leak). ``campaign_services`` uses the stack `gyre up` started for the
-same data root and policy when it is healthy (tasks/services/up.py), and otherwise starts one on loopback for
+same data root and policy when it is healthy (stack/up.py), and otherwise starts one on loopback for
 the duration of the block.
 """
 
@@ -27,9 +27,11 @@ from engines.admin import AdminClient, AdminError
 from engines.devices import CellDevices
 from engines.net import host_of
 from engines.train.core import default_fast_dir
-from tasks.services.cluster import CellFleet, CellOrder, ClusterConfig
-from tasks.services.stack import LocalStack, local_stack
-from tasks.services.up import ServingConfig, UpRecord, running_stack
+from stack.cell import CellOrder
+from stack.cluster_config import ClusterConfig
+from stack.fleet import CellFleet
+from stack.stack import LocalStack, local_stack
+from stack.up import ServingConfig, UpRecord, running_stack
 from trajectory_store.storage import Store, StoreConfig
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class Services(BaseModel):
     fast_dir: str = Field(description="in-host folder of published weights (what engines load)")
     cells_on_hosts: bool = Field(
         False,
-        description="the engines are cells on the hosts of [cluster] (tasks/services/cluster.py): a cell that "
+        description="the engines are cells on the hosts of [cluster] (stack/fleet.py): a cell that "
         "moves changes its URL, so the engines in use are the gateway's live ones (live_engine_urls)",
     )
     cell_cgroups: list[list[str]] = Field(
