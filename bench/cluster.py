@@ -232,6 +232,14 @@ def campaign_on_hosts(
         "calls_recorded_twice": calls[0] - calls[1],
         "trained_twice": sum(1 for n in trained.values() if n > 1),
         "executions_packed": [int(r.metrics["executions_packed"]) for r in records],
+        "left_out_by_step": [  # why a step packed fewer than all its executions
+            {
+                k: int(v)
+                for k, v in r.metrics.items()
+                if k.startswith("executions_") and v and k != "executions_trained"
+            }
+            for r in records
+        ],
         "call_versions_by_step": {int(k): sorted(v) for k, v in versions.items()},
         "bytes_on_host_links": link,
         "engines_left_listening": left,

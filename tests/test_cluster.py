@@ -117,7 +117,7 @@ def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_an
     )
     assert figures["gateway_calls_before_kill"] >= 1 and figures["gateway_serving_again_s"] > 0
     assert figures["executions_went_on_at_standby"] >= 1
-    assert figures["steps"] == 2 and figures["executions_packed"] == [6, 6]
+    assert figures["steps"] == 2 and figures["executions_packed"] == [6, 6], figures["left_out_by_step"]
     # every step's core was two ranks, the second a flow run that completed with the step: on h3, then
     # (h3 lost) on a live host
     assert figures["core_ranks"] == [2, 2]
