@@ -143,6 +143,13 @@ def restore(request: TrainStepRequest, world: CoreWorld | None = None) -> CoreTr
     return core
 
 
+def elastic_at(address: str) -> ElasticConfig:
+    """The elastic step's settings for a core listening on ``address``: the gloo reduction binds to it
+    unless it is loopback (then torch's default)."""
+    loopback = address.startswith("127.") or address in ("localhost", "::1")
+    return ElasticConfig(address=None if loopback else address)
+
+
 def mini_batches(
     sequences: list[PackedSequence], parts: int, rng: random.Random
 ) -> list[list[PackedSequence]]:
@@ -174,7 +181,7 @@ def step_updates(
     reports = []
     world = core.world  # a core of several: its other ranks reach each step at rank 0's address
     host = "127.0.0.1" if world is None else world.local_address or world.address
-    elastic = ElasticConfig(address=None if host.startswith("127.") else host)
+    elastic = elastic_at(host)
     for k, part in enumerate(plan):
         uri = request.batch_uri
         if world is not None and len(plan) > 1:  # the other ranks read this update's part, not the batch
@@ -260,9 +267,7 @@ def _step(request: TrainStepRequest, core: CoreTrainer, started: float) -> Train
                 f"step {request.step}: a streaming step makes one update; trainer.mini_batches "
                 f"({request.trainer.mini_batches}) and trainer.epochs ({request.trainer.epochs}) must be 1"
             )
-        loopback = request.address.startswith("127.") or request.address in ("localhost", "::1")
-        elastic = ElasticConfig(address=None if loopback else request.address)
-        coordinator = ElasticCoordinator(core, host=request.address, config=elastic)
+        coordinator = ElasticCoordinator(core, host=request.address, config=elastic_at(request.address))
         try:
             step = coordinator.open_step(
                 request.step, weights_dir=request.fast_dir, share_url=request.share_url
