@@ -258,7 +258,7 @@ def campaign_fault(
                 if when(store):
                     os.kill(victim(run), signal.SIGKILL)
                     killed.append(time.time())
-            time.sleep(0.2)
+            time.sleep(0.1)  # an execution of two short turns is live for about a second
         codes = [finish(run)]
     finally:
         finish(run, 0)
@@ -290,10 +290,13 @@ def campaign_fault(
 # -- when to kill, and whom -------------------------------------------------------------------------
 
 
-def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[StoreConfig], bool]:
-    """An execution of the step (one of ``attempts`` of a member) is live at the gateway and has made a
-    call (asked of the gateway: the store sees an execution only once it ended, and a step's
-    executions end close together)."""
+def mid_rollout(
+    step: int = 0, attempts: tuple[int, ...] = (0,), calls: range = range(1, 1 << 30)
+) -> Callable[[StoreConfig], bool]:
+    """An execution of the step (one of ``attempts`` of a member) is live at the gateway with a number
+    of ``calls`` made (asked of the gateway: the store sees an execution only once it ended, and a
+    step's executions end close together). ``range(1, turns)``: it still has a call to make, so a
+    gateway killed then cuts it short."""
     import httpx
 
     from environments.gateway_admin import execution_path
@@ -323,7 +326,7 @@ def mid_rollout(step: int = 0, attempts: tuple[int, ...] = (0,)) -> Callable[[St
             response = httpx.get(
                 record.gateway_url + execution_path(execution_id), headers=headers, timeout=5
             )
-            if response.status_code == 200 and response.json()["calls"] >= 1:
+            if response.status_code == 200 and response.json()["calls"] in calls:
                 return True
         return False
 

@@ -6,6 +6,8 @@ ending."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.faults_processes import kill_dispatcher, kill_engine, misbehaving
@@ -86,7 +88,8 @@ def test_a_campaign_lives_through_its_processes_killed(tmp_path):
         (mid_rollout(0), lambda run: service_pid(data, "prefect")),
         (mid_train(0), lambda run: pids_running(b"engines.train.run", under=run.pid)[0]),
         (mid_rollout(1), engine),
-        (mid_rollout(2), lambda run: service_pid(data, "gateway")),
+        # while an execution has a call left to make (two turns each): the gateway's death cuts it short
+        (mid_rollout(2, calls=range(1, 2)), lambda run: service_pid(data, "gateway")),
         # the roll-out task's retry runs the members the gateway's death cut short as new attempts
         (mid_rollout(2, attempts=(1, 2)), lambda run: run.pid),
     ]
@@ -96,7 +99,14 @@ def test_a_campaign_lives_through_its_processes_killed(tmp_path):
         )
     finally:
         stop_services(tmp_path)
-    assert ok and clean(counts) == CLEAN, (detail["unmet"], detail["exit_codes"], detail["kills"], counts)
+    log_tail = Path(detail["log"]).read_text()[-4000:]  # what `gyre run` said, when a kill did not land
+    assert ok and clean(counts) == CLEAN, (
+        detail["unmet"],
+        detail["exit_codes"],
+        detail["kills"],
+        counts,
+        log_tail,
+    )
     assert detail["kills"] == 5 and detail["exit_codes"][0] == -9 and detail["versions"] == [1, 2, 3]
     assert detail["trained_twice"] == 0 and counts["abandoned"] >= 2  # the gateway's and the run's
     assert detail["train_attempts"][0] == 2.0 and detail["train_attempts"][1:] == [1.0, 1.0]
