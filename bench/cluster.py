@@ -49,13 +49,16 @@ PER_STEP = 3  # problems a step, each a group of 2: 6 executions a step
 HEARTBEAT_S = 2  # the workers' heartbeat (Prefect's default is 30 s)
 
 
-def campaign_config(name: str, policy: str, data_root: str, cluster: dict[str, Any]):
+def campaign_config(
+    name: str, policy: str, data_root: str, cluster: dict[str, Any], scheduler: dict[str, Any] | None = None
+):
     """The campaign's config; with ``cluster["core_hosts"]`` its core's optimizer state is split across
-    the ranks (ZeRO 1)."""
+    the ranks (ZeRO 1); with ``scheduler``, its [scheduler] section (the cells switch roles)."""
     from flows.config import CampaignConfig
 
     return CampaignConfig.model_validate(
         {
+            **({"scheduler": scheduler} if scheduler else {}),
             "name": name,
             "policy": policy,
             "steps": STEPS,
@@ -99,13 +102,15 @@ def campaign_on_hosts(
     gateways: int = 1,
     kill_gateway: bool = False,
     core_hosts: tuple[str, ...] = (),
+    scheduler: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Runs the campaign with ``cells[i]`` cells on host h<i+1>, cutting host ``cut`` off during step
     1; its figures, and the checks of what it recorded (see the module's docstring).
     ``heartbeat_misses``: [cluster]'s (a test on a loaded machine gives the workers more slack).
     ``gateways``: [cluster]'s; ``kill_gateway``: SIGKILL the last gateway during step 0, once it has
     answered its first call (its executions go on at their standby; the campaign starts it again);
-    ``core_hosts``: [cluster]'s (a rank of the core on each of them every step)."""
+    ``core_hosts``: [cluster]'s (a rank of the core on each of them every step); ``scheduler``: the
+    campaign's [scheduler] section (its cells switch roles; each also serves a trainer replica)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -139,7 +144,7 @@ def campaign_on_hosts(
             "watch_interval_s": 1.0,
             "core_hosts": list(core_hosts),
         }
-        config = campaign_config("across", policy, f"s3://{bucket}/data", cluster)
+        config = campaign_config("across", policy, f"s3://{bucket}/data", cluster, scheduler)
         deploy_cells(config.cluster)
         worker_env = {
             **env,
@@ -193,11 +198,11 @@ def campaign_on_hosts(
             con.sql("SELECT step, list(DISTINCT policy_version) FROM calls GROUP BY ALL").fetchall()
         )
         trained: dict[str, int] = {}
-        for step in range(STEPS):
-            data = target.read_bytes(target.path(f"batches/step={step}/packed.parquet"))
-            table = pq.read_table(io.BytesIO(data), columns=["executions"])
-            for execution in {e for row in table.column("executions").to_pylist() for e in row}:
-                trained[execution] = trained.get(execution, 0) + 1
+        for step in range(STEPS):  # the step's batch, or the scheduler's chunk of each group
+            for path in target.fs.glob(target.path(f"batches/step={step}/*.parquet")):
+                table = pq.read_table(io.BytesIO(target.read_bytes(path)), columns=["executions"])
+                for execution in {e for row in table.column("executions").to_pylist() for e in row}:
+                    trained[execution] = trained.get(execution, 0) + 1
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["gyre-cell"])))
             core_runs = {
@@ -246,6 +251,12 @@ def campaign_on_hosts(
         "bytes_between_hosts_per_step": round(sum(link.values()) / max(len(records), 1)),
         "cell_runs": cell_runs,
         "core_ranks": [int(r.metrics.get("core_ranks", 1)) for r in records],
+        # under a scheduler: its switches, and the micro-batches computed off the core (replicas on hosts)
+        "switches_by_step": [int(r.metrics.get("switches", 0)) for r in records],
+        "satellites_by_step": [int(r.metrics.get("satellites", 0)) for r in records],
+        "micro_batches_off_core": [
+            int(r.metrics.get("micro_batches", 0) - r.metrics.get("core_micro_batches", 0)) for r in records
+        ],
         "measured": measured,
         "core_rank_runs": core_runs,
         "gateways": gateways,

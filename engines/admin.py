@@ -154,6 +154,9 @@ class AddEngine(WireModel):
     engine_id: str | None = Field(None, pattern=ID_PATTERN)
     admin_token: str | None = None
     host: str | None = Field(None, description="the host it runs on (gateway EngineSpec.host)")
+    trainer_url: str | None = Field(
+        None, description="its cell's trainer replica (gateway EngineSpec.trainer_url)"
+    )
 
 
 class EngineAdded(WireModel):
@@ -246,6 +249,7 @@ class EngineView(WireModel):
     engine_id: str
     url: str
     host: str | None = Field(None, description="the host it runs on (its EngineSpec's, or its URL's)")
+    trainer_url: str | None = Field(None, description="its cell's trainer replica, if it has one")
     state: str = Field(description="'active', 'draining' or 'dead'")
     sessions: int = 0
     """Sessions bound to it."""
@@ -394,9 +398,16 @@ class AdminClient:
         return self._gateway(GATEWAY_STATS, params={"samples": "true"} if samples else None)
 
     def add_engine(
-        self, url: str, engine_id: str | None = None, admin_token: str | None = None, host: str | None = None
+        self,
+        url: str,
+        engine_id: str | None = None,
+        admin_token: str | None = None,
+        host: str | None = None,
+        trainer_url: str | None = None,
     ) -> EngineAdded:
-        body = AddEngine(url=url, engine_id=engine_id, admin_token=admin_token, host=host)
+        body = AddEngine(
+            url=url, engine_id=engine_id, admin_token=admin_token, host=host, trainer_url=trainer_url
+        )
         return self._gateway(ADD_ENGINE, body)
 
     def drain(self, engine_id: str) -> DrainReport:

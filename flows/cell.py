@@ -34,12 +34,14 @@ def cell(
     threads: int | None = None,
     devices: list[int] | None = None,
     more_gateways: list[str] | None = None,
+    replica: bool = False,
 ) -> dict[str, Any]:
     """Serves the cell's engine on ``address`` behind the gateway until the run is cancelled or
     marked crashed; the admin tokens come from the Secret block ``tokens_block``. ``weights``: the
     campaign's current version (``version``), loaded before the engine joins the gateway; ``threads``
     and ``devices``: the engine's torch threads and GPUs (the host's, from ``[cluster]``);
-    ``more_gateways``: the campaign's other gateways, which the engine joins too."""
+    ``more_gateways``: the campaign's other gateways, which the engine joins too; ``replica``: the cell
+    also serves a trainer replica beside its engine (the elastic scheduler's cells)."""
     tokens = Secret.load(tokens_block).get()
     run_id = flow_run.get_id()
     return serve_cell(
@@ -57,6 +59,7 @@ def cell(
         threads=threads,
         gpus=devices,
         more_gateways=more_gateways or (),
+        replica=replica,
     )
 
 

@@ -96,11 +96,7 @@ class CampaignConfig(BaseModel):
                 '"keep", or leave [scheduler] policy unset'
             )
         if self.scheduler.policy is not None and self.cluster is not None:
-            raise ValueError(
-                f"[scheduler] policy = {self.scheduler.policy!r} with [cluster]: the elastic scheduler's cells run "
-                "on this machine only (not yet across hosts); leave [scheduler] policy unset for a campaign on "
-                "a cluster (every step rolls out on every cell, then trains)"
-            )
+            _scheduler_on_hosts(self.scheduler.policy, self.cluster)
         return self
 
     def merged(self, overrides: dict) -> CampaignConfig:
@@ -182,3 +178,24 @@ def unknown_keys(section: type, data: dict[str, Any], where: str = "") -> list[s
         if isinstance(value, dict) and len(nested) == 1:
             problems += unknown_keys(nested[0], value, f"{where}.{key}" if where else key)
     return problems
+
+
+def _scheduler_on_hosts(policy: str, cluster: ClusterConfig) -> None:
+    """What the scheduler does not yet do on hosts is refused, with why (docs/cluster.md)."""
+    cells = sum(h.cells for h in cluster.hosts)
+    prefix = f"[scheduler] policy = {policy!r} with [cluster]"
+    if cells < 2:
+        raise ValueError(
+            f"{prefix}: the scheduler needs at least 2 cells (one is the core's); hosts place {cells}"
+        )
+    if cluster.core_hosts:
+        raise ValueError(
+            f"{prefix} core_hosts = {cluster.core_hosts}: the scheduler's core is one process for the whole "
+            "campaign, not a world of ranks on hosts (yet); leave core_hosts empty (the cells' replicas on the "
+            "hosts join its steps), or leave [scheduler] policy unset"
+        )
+    if cluster.gateways > 1:
+        raise ValueError(
+            f"{prefix} gateways = {cluster.gateways}: the scheduler dispatches through one gateway (yet); "
+            "set gateways = 1, or leave [scheduler] policy unset"
+        )

@@ -35,6 +35,7 @@ idle GPU is. ``pool.partition.usage_s()`` is each cell's CPU use.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import queue
 import threading
@@ -81,11 +82,12 @@ class Switch:
 
 @dataclass(frozen=True)
 class Join:
-    """Join the step whose core listens at host:port."""
+    """Join the step whose core listens at host:port (with ``loss``, the core's LossConfig fields)."""
 
     host: str
     port: int
     step: int
+    loss: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,8 @@ def replica_main(model_dir: str, env: dict[str, str], loss: dict, commands, even
         command: ReplicaCommand = commands.get()
         if isinstance(command, Stop):
             return
+        if command.loss is not None:  # the core's loss, so the replica's gradients are the core's
+            worker.loss_config = LossConfig(**command.loss)
         try:
             result = run_satellite(
                 command.host,
@@ -165,6 +169,7 @@ class Replica:
         context = multiprocessing.get_context("spawn")
         self.commands, self.events, self.leave = context.Queue(), context.Queue(), context.Event()
         env = process_env(cell or CellDevices(threads=threads))
+        self.loss = loss  # sent with every join: a replica's loss is the core's
         self.process = context.Process(
             target=replica_main,
             args=(model_dir, env, loss or {}, self.commands, self.events, self.leave),
@@ -219,11 +224,15 @@ class Replica:
     def wait_ready(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
         self._wait(lambda: self._ready, timeout_s, "while starting")
 
-    def join(self, host: str, port: int, step: int, timeout_s: float = JOIN_TIMEOUT_S) -> dict:
+    def join(
+        self, host: str, port: int, step: int, timeout_s: float = JOIN_TIMEOUT_S, loss: dict | None = None
+    ) -> dict:
+        """Joins the step (``loss``: the core's, else the one it was started with); the join info, or
+        ``late`` with the step's result when it ended (or refused it) before the replica counted."""
         with self._cond:
             self.leave.clear()
             self._joined, self._done, self.busy = None, None, True
-        self.commands.put(Join(host, port, step))
+        self.commands.put(Join(host, port, step, loss if loss is not None else self.loss))
         self._wait(lambda: self._joined is not None or not self.busy, timeout_s, f"joining step {step}")
         with self._cond:
             if self._joined is not None:
@@ -316,7 +325,12 @@ class Cell:
 class CellPool:
     """The cells of one campaign, their roles, and the switches between them (a log of `Switch`).
     ``sessions()``: engine id -> its live sessions (what a policy sees); ``on_close``: called last by
-    ``close``; ``partition``: the cells' CPU cgroups (their owner, the stack, removes them)."""
+    ``close``; ``partition``: the cells' CPU cgroups (their owner, the stack, removes them).
+
+    ``follow``: the cells are on hosts, and one whose host was lost is started again elsewhere under
+    its id (stack/fleet.py); ``follow()`` gives each engine id's (URL, trainer URL) as the gateway
+    lists it now, and ``moved_to(cell, url, trainer_url)`` gives a moved cell its new ends. A moved
+    cell serves (rollout) from then on: ``take_moved()`` names it once, for its version to be served."""
 
     def __init__(
         self,
@@ -326,15 +340,20 @@ class CellPool:
         on_close: Callable[[], None] | None = None,
         clock=time.monotonic,
         partition: CpuPartition | None = None,
+        follow: Callable[[], dict[str, tuple[str, str | None]]] | None = None,
+        moved_to: Callable[[Cell, str, str | None], None] | None = None,
     ):
         if sum(c.spec.core for c in cells) > 1:
             raise ValueError(
                 f"a pool has one core cell at most; got {[c.spec.cell_id for c in cells if c.spec.core]}"
             )
         self.clock, self._sessions, self._on_close = clock, sessions, on_close
+        self._follow, self._moved_to = follow, moved_to
         self.started = clock()
         self.cells = {c.spec.cell_id: c for c in cells}
         self.switches: list[Switch] = []
+        self.moves: list[tuple[float, str, str, str]] = []  # (now, cell id, old URL, new URL)
+        self._unserved: list[str] = []
         self.partition = partition or CpuPartition.none()
 
     @classmethod
@@ -349,33 +368,63 @@ class CellPool:
         clock=time.monotonic,
         cells: list[CellDevices] | None = None,
         partition: CpuPartition | None = None,
+        replicas: dict[str, TrainerEnd] | None = None,
+        remote: Callable[[str], TrainerEnd] | None = None,
     ) -> CellPool:
-        """A campaign's cells on this machine: each spec's engine behind the gateway and, but for the
-        core's, a replica process of ``model_dir`` (``threads`` torch threads) started and ready.
-        ``cells``: each spec's devices (its replica takes its cell's GPUs, cores, threads and CPU cgroup);
-        ``partition``: those cgroups, read by ``cpu_usage_s``."""
+        """A campaign's cells: each spec's engine behind the gateway and, but for the core's, a replica
+        process of ``model_dir`` (``threads`` torch threads) started here and ready, or with
+        ``replicas`` the replica each cell already has (by cell id: scheduler/remote.py, a cell on
+        another host; ``remote(trainer_url)`` makes one for a cell that moved host, whose moves the pool
+        then follows). ``cells``: each spec's devices (its replica takes its cell's GPUs, cores,
+        threads and CPU cgroup); ``partition``: those cgroups, read by ``cpu_usage_s``."""
         if sum(s.core for s in specs) != 1:
             raise ValueError(
                 f"a pool needs exactly one core cell; got {[s.cell_id for s in specs if s.core]}"
             )
         if cells is not None and len(cells) != len(specs):
             raise ValueError(f"{len(cells)} cells' devices for {len(specs)} cells")
-        pool = [
-            Cell(
-                s,
-                GatewayEngine(admin, s),
-                None if s.core else Replica(model_dir, threads, loss, cells[i] if cells else None),
-            )
-            for i, s in enumerate(specs)
-        ]
+
+        def replica(i: int, spec: CellSpec) -> TrainerEnd | None:
+            if spec.core:
+                return None
+            if replicas is not None:
+                return replicas[spec.cell_id]
+            return Replica(model_dir, threads, loss, cells[i] if cells else None)
+
+        pool = [Cell(s, GatewayEngine(admin, s), replica(i, s)) for i, s in enumerate(specs)]
         for cell in pool:
-            if cell.replica:
+            if isinstance(cell.replica, Replica):
                 cell.replica.wait_ready()
 
         def sessions() -> dict[str, int]:
             return {e.engine_id: e.sessions for e in admin.gateway_stats().engines}
 
-        return cls(pool, sessions=sessions, on_close=admin.close, clock=clock, partition=partition)
+        follow = moved_to = None
+        if remote is not None:
+
+            def follow() -> dict[str, tuple[str, str | None]]:
+                live = [e for e in admin.gateway_stats().engines if e.state != "dead"]
+                return {e.engine_id: (e.url, e.trainer_url) for e in live}
+
+            def moved_to(cell: Cell, url: str, trainer_url: str | None) -> None:
+                cell.spec = dataclasses.replace(cell.spec, engine_url=url)
+                cell.engine = GatewayEngine(admin, cell.spec)
+                if not cell.spec.core:  # the old replica went with its host (the core evicts it)
+                    if trainer_url is None:
+                        raise RuntimeError(
+                            f"cell {cell.spec.cell_id} moved to {url} without a trainer replica"
+                        )
+                    cell.replica = remote(trainer_url)
+
+        return cls(
+            pool,
+            sessions=sessions,
+            on_close=admin.close,
+            clock=clock,
+            partition=partition,
+            follow=follow,
+            moved_to=moved_to,
+        )
 
     def cpu_usage_s(self) -> dict[str, float | None]:
         """CPU seconds each cell's processes used so far, whatever their role ({}: not partitioned)."""
@@ -438,8 +487,32 @@ class CellPool:
         self.switches.append(switch)
         return switch
 
+    def follow_moves(self) -> list[str]:
+        """Cells the gateway lists at another URL than theirs (their host was lost: the fleet started
+        them again elsewhere) take their new ends and serve; their ids."""
+        if self._follow is None or self._moved_to is None:
+            return []
+        moved = []
+        for engine_id, (url, trainer_url) in self._follow().items():
+            cell = next((c for c in self.cells.values() if c.spec.engine_id == engine_id), None)
+            if cell is None or url == cell.spec.engine_url:
+                continue
+            old = cell.spec.engine_url
+            self._moved_to(cell, url, trainer_url)
+            cell.role, cell.since = "rollout", self.now()
+            self.moves.append((self.now(), cell.spec.cell_id, old, url))
+            self._unserved.append(cell.spec.cell_id)
+            moved.append(cell.spec.cell_id)
+        return moved
+
+    def take_moved(self) -> list[str]:
+        """The cells that moved since the last call (each named once): their version is to be served."""
+        moved, self._unserved = self._unserved, []
+        return moved
+
     def states(self) -> tuple[CellState, ...]:
-        """The cells as a policy sees them (sessions per engine from ``sessions``)."""
+        """The cells as a policy sees them (sessions per engine from ``sessions``), moved cells followed."""
+        self.follow_moves()
         sessions = self._sessions() if self._sessions is not None else {}
         return tuple(
             CellState(

@@ -170,7 +170,11 @@ class Controller:
         trainer = asyncio.create_task(self._train(steps, started))
         while not trainer.done():
             self.current = steps[min(len(self.reports), len(steps) - 1)]
-            decision = self.policy.decide(self._state(steps))
+            state = self._state(steps)
+            for cell_id in self.pool.take_moved():  # a cell started again on another host serves
+                self.timeline.append((self.pool.now(), cell_id, "rollout"))
+                await self._serve_moved(cell_id)
+            decision = self.policy.decide(state)
             self.decisions += 1
             for cell_id, role in decision.roles.items():
                 if cell_id not in self.switching:
@@ -303,6 +307,17 @@ class Controller:
                 cell.replica.poll()
                 if cell.spec.cell_id not in self.switching:
                     await asyncio.to_thread(cell.replica.join, *address)
+
+    async def _serve_moved(self, cell_id: str) -> None:
+        """The current version served by a cell that moved host (it started with the one it was told)."""
+        try:
+            await asyncio.to_thread(
+                self.runtime.serve, [self.pool.cells[cell_id].spec.engine_url], self.version
+            )
+        except Exception as error:  # it serves what it loaded; the run goes on and reports it
+            self.errors.append(
+                f"serving v{self.version} on moved cell {cell_id}: {type(error).__name__}: {error}"
+            )
 
     async def _serve_new_version(self) -> None:
         awake = [

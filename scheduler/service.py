@@ -32,6 +32,7 @@ from scheduler.cells import CellPool, CellSpec, Switch
 from scheduler.config import SchedulerConfig
 from scheduler.controller import Controller, Runtime, StepWork
 from scheduler.policy import make_policy
+from scheduler.remote import RemoteReplica
 from scheduler.report import Committed, Done, Heartbeat, Message, RunReport, StepDone
 
 
@@ -59,13 +60,42 @@ def cell_pool(
     model_dir: str,
     cells: list[CellDevices] | None = None,
     partition: CpuPartition | None = None,
+    loss: dict | None = None,
+    on_hosts: bool = False,
 ) -> CellPool:
-    """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir``;
-    ``cells``: each cell's devices (its replica's GPUs, cores, threads and CPU cgroup; None: one thread
-    each); ``partition``: the cells' CPU cgroups (stack/stack.py LocalStack.partition)."""
-    engines = {e.url: e.engine_id for e in admin.gateway_stats().engines}
-    specs = [CellSpec(f"cell-{i}", url, engines[url], core=i == 0) for i, url in enumerate(engine_urls)]
-    return CellPool.behind_gateway(admin, specs, model_dir, threads=1, cells=cells, partition=partition)
+    """A cell per engine (cell-0, the first, is the core), each with a replica of ``model_dir`` that
+    takes the core's ``loss`` (LossConfig fields); ``cells``: each cell's devices (its replica's GPUs,
+    cores, threads and CPU cgroup; None: one thread each); ``partition``: the cells' CPU cgroups
+    (stack/stack.py LocalStack.partition). ``on_hosts``: the cells run on hosts of [cluster], each
+    with its replica beside its engine (the gateway lists its ``trainer_url``: scheduler/remote.py)."""
+    views = {e.url: e for e in admin.gateway_stats().engines}
+    specs = [
+        CellSpec(f"cell-{i}", url, views[url].engine_id, core=i == 0) for i, url in enumerate(engine_urls)
+    ]
+    replicas = None
+    if on_hosts:
+        missing = [s.cell_id for s in specs if not s.core and not views[s.engine_url].trainer_url]
+        if missing:
+            raise RuntimeError(
+                f"cells {missing} serve no trainer replica (the gateway lists no trainer_url for their "
+                "engines): their flow runs were started without one (CellOrder.replica)"
+            )
+        replicas = {
+            s.cell_id: RemoteReplica(views[s.engine_url].trainer_url, admin.engine_token, loss)
+            for s in specs
+            if not s.core
+        }
+    return CellPool.behind_gateway(
+        admin,
+        specs,
+        model_dir,
+        threads=1,
+        loss=loss,
+        cells=cells,
+        partition=partition,
+        replicas=replicas,
+        remote=(lambda url: RemoteReplica(url, admin.engine_token, loss)) if on_hosts else None,
+    )
 
 
 def run_controller(

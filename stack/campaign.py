@@ -53,6 +53,11 @@ class Services(BaseModel):
         description="the engines are cells on the hosts of [cluster] (stack/fleet.py): a cell that "
         "moves changes its URL, so the engines in use are the gateway's live ones (live_engine_urls)",
     )
+    core_address: str | None = Field(
+        None,
+        description="the address of this machine the hosts reach ([cluster] gateway_address) for cells on "
+        "hosts: the core's streaming step listens there, so replicas on the hosts join it",
+    )
     cell_cgroups: list[list[str]] = Field(
         default_factory=list,
         description="each cell's CPU cgroup folders (cell i: engine i) when the stack gave its cells their "
@@ -69,11 +74,16 @@ class Services(BaseModel):
 
 @contextlib.contextmanager
 def campaign_services(
-    model: str, store: StoreConfig, serving: ServingConfig, cluster: ClusterConfig | None = None
+    model: str,
+    store: StoreConfig,
+    serving: ServingConfig,
+    cluster: ClusterConfig | None = None,
+    replicas: bool = False,
 ) -> Iterator[Services]:
     """The stack `gyre up` runs for this data root and policy (left running), or else engines and a
     gateway started on loopback for the duration of the block. With ``cluster``: the gateway on the
-    cluster's gateway address and the cells on their hosts (``cluster_stack``)."""
+    cluster's gateway address and the cells on their hosts (``cluster_stack``), each also serving a
+    trainer replica with ``replicas`` (the elastic scheduler's cells)."""
     fast_dir = os.path.join(default_fast_dir(), f"campaign-{store.campaign}-{os.getpid()}")
     os.makedirs(fast_dir, exist_ok=True)
     target = Store(store)
@@ -93,8 +103,10 @@ def campaign_services(
 
     try:
         if cluster is not None:
-            with cluster_stack(model, store, serving, cluster) as (stack, urls):
-                yield services(stack, engine_urls=urls, cells_on_hosts=True)
+            with cluster_stack(model, store, serving, cluster, replicas) as (stack, urls):
+                yield services(
+                    stack, engine_urls=urls, cells_on_hosts=True, core_address=cluster.gateway_address
+                )
             return
         running = running_stack(store.data_root, model, serving.engine)
         if running is not None:
@@ -133,11 +145,12 @@ CELL_SERVING = (
 
 @contextlib.contextmanager
 def cluster_stack(
-    model: str, store: StoreConfig, serving: ServingConfig, cluster: ClusterConfig
+    model: str, store: StoreConfig, serving: ServingConfig, cluster: ClusterConfig, replicas: bool = False
 ) -> Iterator[tuple[LocalStack, list[str]]]:
     """The gateway on ``cluster.gateway_address`` and every cell of the cluster serving behind it
-    (flow runs of the hosts' `gyre-cell` deployments, on the current Prefect API), watched: a lost
-    host's cells start again elsewhere while the block runs. (the gateway's stack, the cells' URLs)."""
+    (flow runs of the hosts' `gyre-cell` deployments, on the current Prefect API; with ``replicas``,
+    each with a trainer replica beside its engine), watched: a lost host's cells start again elsewhere
+    while the block runs. (the gateway's stack, the cells' URLs)."""
     if cluster.gateway_address is None:
         raise ValueError(
             "[cluster] gateway_address is not set: give the address of this machine that every host reaches "
@@ -156,6 +169,7 @@ def cluster_stack(
             gateway_url=stack.gateway_url,
             more_gateways=tuple(stack.gateway_urls[1:]),
             serving=serving.model_dump(include=set(CELL_SERVING)),
+            replica=replicas,
         )
         fleet = CellFleet(cluster, order)
         fleet.save_tokens(stack.admin_token, stack.engine_admin_token)
@@ -216,7 +230,12 @@ def revive_engines(stack: LocalStack, url: str) -> list[str]:
         with AdminClient(url, stack.admin_token, stack.engine_admin_token) as admin:
             for engine in engines:
                 with contextlib.suppress(AdminError):  # its cell joined it again first (serve_cell)
-                    admin.add_engine(engine.url, engine_id=engine.engine_id, host=engine.host)
+                    admin.add_engine(
+                        engine.url,
+                        engine_id=engine.engine_id,
+                        host=engine.host,
+                        trainer_url=engine.trainer_url,
+                    )
                     added.append(engine.engine_id)
         break
     return added

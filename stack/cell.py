@@ -10,6 +10,7 @@ parameters (which the UI shows). What places and replaces cells is stack/fleet.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ import httpx
 from engines.admin import AdminClient, AdminError
 from engines.devices import CellDevices, process_env
 from engines.net import free_port
+from scheduler.remote import ReplicaServer
 from stack.cluster_config import HostSpec
 from stack.serving import ServingConfig, engine_process
 from stack.stack import serving_process
@@ -49,6 +51,7 @@ class CellOrder:
     tokens_block: str = TOKENS_BLOCK
     weights: str | None = None  # the version a cell started now loads first (a URL the hosts read)
     version: int = 0
+    replica: bool = False  # each cell also serves a trainer replica (the elastic scheduler's cells)
 
     def parameters(self, cell_id: str, host: HostSpec, slot: int = 0) -> dict[str, Any]:
         """The cell flow run's parameters (shown in the UI: no secret); ``slot``: which of the host's
@@ -66,6 +69,7 @@ class CellOrder:
             "version": self.version,
             "threads": host.threads,
             "devices": host.devices[slot] if host.devices is not None else None,
+            "replica": self.replica,
         }
 
 
@@ -86,6 +90,7 @@ def serve_cell(
     gpus: list[int] | None = None,
     poll_s: float = 2.0,
     more_gateways: Sequence[str] = (),
+    replica: bool = False,
 ) -> dict[str, Any]:
     """A cell's life on its host: its engine listening on ``address`` (serving ``weights`` as
     ``version`` when given: the campaign's current version, for a cell started mid-campaign), added to
@@ -93,7 +98,9 @@ def serve_cell(
     engine dies (RuntimeError). The engine stops with the block, also when the flow run is cancelled.
     ``threads`` and ``gpus``: the engine's torch threads (None: ``serving``'s engine_threads) and
     visible GPUs (None: inherited). ``more_gateways``: the campaign's other gateways, which the engine
-    joins too (one that does not answer is skipped, with a line saying so)."""
+    joins too (one that does not answer is skipped, with a line saying so). ``replica``: the cell also
+    serves a trainer replica of the policy on ``address`` (scheduler/remote.py), listed with its engine
+    at the gateway as its ``trainer_url``: the elastic scheduler switches the cell to training."""
     policy = local_policy(policy)
     port = free_port(address)
     command, stdin, _ = engine_process(
@@ -105,18 +112,24 @@ def serve_cell(
     with (
         serving_process(command, url, env, stdin=stdin) as engine,
         AdminClient(gateway_url, admin_token, engine_admin_token) as admin,
+        contextlib.ExitStack() as beside,
     ):
+        trainer_url = None
+        if replica:
+            server = ReplicaServer(policy, address, engine_admin_token, cell=devices)
+            trainer_url = beside.enter_context(server).url
         if weights is not None:
             admin.load_weights(url, weights, version, drop_kv=True)
-        added = admin.add_engine(url, engine_id=cell_id, host=host)
+        added = admin.add_engine(url, engine_id=cell_id, host=host, trainer_url=trainer_url)
         for other in more_gateways:
             try:
                 with AdminClient(other, admin_token, engine_admin_token) as more:
-                    more.add_engine(url, engine_id=cell_id, host=host)
+                    more.add_engine(url, engine_id=cell_id, host=host, trainer_url=trainer_url)
             except (AdminError, httpx.HTTPError) as exc:
                 print(f"cell {cell_id} on {host}: gateway {other} did not take the engine: {exc}")
         print(
             f"cell {cell_id} on {host}: engine {added.engine_id} at {url} serves {weights or policy} (v{version})"
+            + (f"; its trainer replica at {trainer_url}" if trainer_url else "")
         )
         while True:
             if engine.poll() is not None:
@@ -128,12 +141,18 @@ def serve_cell(
                 print(f"cell {cell_id} on {host}: stopping ({reason})")
                 return {"cell_id": cell_id, "host": host, "url": url, "stopped": reason}
             for gateway in (gateway_url, *more_gateways):
-                rejoin(gateway, url, cell_id, host, admin_token, engine_admin_token)
+                rejoin(gateway, url, cell_id, host, admin_token, engine_admin_token, trainer_url)
             time.sleep(poll_s)
 
 
 def rejoin(
-    gateway: str, url: str, cell_id: str, host: str, admin_token: str, engine_admin_token: str
+    gateway: str,
+    url: str,
+    cell_id: str,
+    host: str,
+    admin_token: str,
+    engine_admin_token: str,
+    trainer_url: str | None = None,
 ) -> bool:
     """Adds the cell's engine to ``gateway`` again if the gateway answers without it: a gateway started
     again after its process died knows no engine. (Listed under its id, even as dead, it is left
@@ -142,7 +161,7 @@ def rejoin(
         with AdminClient(gateway, admin_token, engine_admin_token, timeout_s=5) as admin:
             if any(e.engine_id == cell_id for e in admin.gateway_stats().engines):
                 return False
-            admin.add_engine(url, engine_id=cell_id, host=host)
+            admin.add_engine(url, engine_id=cell_id, host=host, trainer_url=trainer_url)
     except (AdminError, httpx.HTTPError):  # not up yet, or cut off: the next round tries again
         return False
     print(f"cell {cell_id} on {host}: joined gateway {gateway} again (it had started again without it)")

@@ -75,10 +75,17 @@ def main() -> int:
         services.engine_admin_token.get_secret_value(),
     )
     serving = job.serving
-    # a running `gyre up` stack may have other engines than this config names: then no cell is placed
-    placed = len(services.engine_urls) == serving.engines
-    cells = [services.in_cell(serving.engine_cell(i), i) for i in range(serving.engines)] if placed else None
-    pool = cell_pool(admin, services.engine_urls, job.policy, cells)
+    loss = job.trainer.loss.model_dump()
+    if services.cells_on_hosts:  # each cell's engine and replica on its host (their live URLs)
+        pool = cell_pool(admin, cells_by_id(admin), job.policy, loss=loss, on_hosts=True)
+        placed = False
+    else:
+        # a running `gyre up` stack may have other engines than this config names: then no cell is placed
+        placed = len(services.engine_urls) == serving.engines
+        cells = (
+            [services.in_cell(serving.engine_cell(i), i) for i in range(serving.engines)] if placed else None
+        )
+        pool = cell_pool(admin, services.engine_urls, job.policy, cells, loss=loss)
     recipe = StepsConfig.model_validate(job.model_dump(include=set(StepsConfig.model_fields)))
     runtime = CampaignSteps(
         recipe, services, trainer_cell=services.in_cell(serving.trainer_cell(), 0) if placed else None
@@ -93,6 +100,13 @@ def main() -> int:
         heartbeat=lambda line: print(line, flush=True),
     )
     return 0
+
+
+def cells_by_id(admin: AdminClient) -> list[str]:
+    """The engine URLs of the gateway's live cells on hosts, cell-0 first: where each cell serves now
+    (a cell started again on another host has a new URL, under its id)."""
+    live = [e for e in admin.gateway_stats().engines if e.state != "dead"]
+    return [e.url for e in sorted(live, key=lambda e: int(e.engine_id.rsplit("-", 1)[-1]))]
 
 
 class SchedulerDied(RuntimeError):

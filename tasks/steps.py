@@ -197,10 +197,16 @@ class CampaignSteps:
         return self.core
 
     def _request(self, step: int) -> TrainStepRequest:
-        recipe = self.recipe
-        return step_request(
-            step, self.services, recipe.policy, recipe.trainer, threads=self.trainer_threads, seed=recipe.seed
+        """The streaming step; with cells on hosts it listens on the address the hosts reach, and its
+        weights and hand-offs go to the campaign's storage for the replicas there."""
+        recipe, services = self.recipe, self.services
+        request = step_request(
+            step, services, recipe.policy, recipe.trainer, threads=self.trainer_threads, seed=recipe.seed
         )
+        if services.core_address is None:
+            return request
+        share = f"{services.policy_root.rstrip('/')}/streams"
+        return request.model_copy(update={"address": services.core_address, "share_url": share})
 
     async def aclose(self) -> None:
         """Ends what lives in the event loop (the harness zygote); call before the loop ends."""

@@ -17,23 +17,14 @@ import pytest
 import torch
 
 from engines.admin import AdminClient
-from engines.model.weights import load_model
-from engines.train.config import TrainerConfig
-from engines.train.core import CoreTrainer
-from engines.train.elastic import ElasticCoordinator
-from engines.train.stream import StreamProducer, write_chunk
 from environments.gateway_admin import GatewayAdmin
 from scheduler.cells import CellPool, CellSpec, Left, Replica
 from stack.stack import local_stack
 from tests.campaign_fixtures import tiny_policy
-from tests.train_fixtures import chunks_by_execution, packed_batch, perturb_behaviour, tiny_model
+from tests.train_fixtures import CoreStreaming, streamed_case, update_rel_diff
 from trajectory_store.storage import StoreConfig
 
 pytestmark = pytest.mark.slow
-
-
-def _load(model_dir: str) -> torch.nn.Module:
-    return load_model(model_dir, dtype=torch.float32)
 
 
 def _register(stack, execution_id: str) -> dict:
@@ -60,22 +51,8 @@ def _chat(registration: dict, text: str) -> dict:
 def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp_path):
     torch.set_num_threads(1)
     policy = tiny_policy(tmp_path / "policy")
-    trainer_model = str(tmp_path / "trainer-model")
-    tiny_model(5).save_pretrained(trainer_model, safe_serialization=True)
-    batch = packed_batch(str(tmp_path / "batch"), seed=11, n_executions=8, budget=16)
-    perturb_behaviour(batch, 11)
-    chunks = [
-        (write_chunk(seqs, str(tmp_path / "chunks" / f"c{k}.parquet")), len(seqs), n)
-        for k, (seqs, n) in enumerate(chunks_by_execution(batch, 1))
-    ]
-    weights_dir = str(tmp_path / "fast")
-    os.makedirs(weights_dir)
-    config = TrainerConfig(lr=1e-3, zero_stage=1, eps=1e-6)
-    reference = CoreTrainer(_load(trainer_model), config)  # the same batch, one process, not streamed
-    solo = ElasticCoordinator(reference)
-    uri = write_chunk(batch.sequences, str(tmp_path / "batch.parquet"))
-    solo.run_step(0, batch.sequences, len(batch.advantages), batch_uri=uri, weights_dir=weights_dir)
-    solo.close()
+    chunks, setup = streamed_case(tmp_path, 11)  # and the same batch, one process, not streamed
+    trainer_model = setup["model_dir"]
 
     with local_stack(policy, StoreConfig(data_root=str(tmp_path / "data")), engines=2) as stack:
         admin = AdminClient(stack.gateway_url, stack.admin_token, stack.engine_admin_token)
@@ -89,17 +66,10 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
         ]
         pool = CellPool.behind_gateway(admin, specs, trainer_model)
         try:
-            core = CoreTrainer(_load(trainer_model), config)
-            coordinator = ElasticCoordinator(core)
-            step = coordinator.open_step(0, weights_dir=weights_dir)
-            reports = []
-            trainer = threading.Thread(target=lambda: reports.append(step.train(pace_s=0.05)), daemon=True)
-            trainer.start()
-            producer = StreamProducer(*step.address)
-            for k, (chunk_uri, count, n) in enumerate(chunks[:2]):
-                producer.append(chunk_uri, count, n, key=f"c{k}")
+            streaming = CoreStreaming(setup)
+            streaming.append(chunks[:2])
 
-            to_train = pool.to_train("cell-1", step.address)
+            to_train = pool.to_train("cell-1", streaming.step.address)
             assert set(to_train.phases) == {"drain", "sleep", "join"}
             assert to_train.detail["migrated_sessions"] == 1 and not to_train.detail["drain_failed"]
             assert not to_train.detail["late"] and to_train.detail["weight_pull_s"] is not None
@@ -107,8 +77,7 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
             assert _chat(register, "and then?")["gyre"]["engine_id"] == other
             assert admin.engine_stats(engines[first]).asleep
 
-            for k, (chunk_uri, count, n) in enumerate(chunks[2:], start=2):
-                producer.append(chunk_uri, count, n, key=f"c{k}")
+            streaming.append(chunks[2:])
             to_rollout = pool.to_rollout("cell-1", 1, os.path.join(policy, "model.safetensors"))
             assert set(to_rollout.phases) == {"leave", "wake", "register"}
             stats = admin.engine_stats(engines[first])
@@ -117,23 +86,13 @@ def test_a_cell_moves_to_training_and_back_without_interrupting_an_execution(tmp
             second = _register(stack, "e2")
             assert _chat(second, "hi")["gyre"]["engine_id"] == first
 
-            producer.close()
-            trainer.join(120)
-            assert reports, "the core's step did not end"
-            report = reports[0]
+            report = streaming.finish()
             assert report.left, "the replica left the step before it closed"
             used = sorted(i for ids in report.by_participant.values() for i in ids)
             assert used == list(range(report.micro_batches))
-            coordinator.close()
             # streamed with a satellite that came and went == the batch trained by one process
             # (1e-5: the streaming normalizer's rounding, engines/train/elastic.py)
-            num = den = 0.0
-            initial = _load(trainer_model).state_dict()
-            for name, ref in reference.weights().items():
-                update, ref_update = core.weights()[name] - initial[name], ref - initial[name]
-                num += float((update - ref_update).double().pow(2).sum())
-                den += float(ref_update.double().pow(2).sum())
-            assert (num / den) ** 0.5 < 1e-5
+            assert update_rel_diff(streaming.core.weights(), setup) < 1e-5
             assert [s.to for s in pool.switches] == ["train", "rollout"]
             assert [c.role for c in pool.states()] == ["rollout", "rollout"]
         finally:

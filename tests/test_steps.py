@@ -172,6 +172,25 @@ def test_a_campaign_key_the_scheduler_cannot_honour_is_refused_with_its_reason()
     CampaignConfig.model_validate({"problems": {"zero_signal": "top_up"}})  # the step flow tops up
 
 
+def test_the_scheduler_runs_on_hosts_and_refuses_what_it_does_not_do_there_with_its_reason():
+    hosts = [{"name": "a", "address": "10.0.0.1", "cells": 2}, {"name": "b", "address": "10.0.0.2"}]
+    base = {"scheduler": {"policy": "elastic"}, "trainer": {"mini_batches": 1, "epochs": 1}}
+    on_hosts = CampaignConfig.model_validate(
+        {**base, "cluster": {"hosts": hosts, "gateway_address": "10.0.0.9"}}
+    )
+    assert on_hosts.cluster is not None and on_hosts.scheduler.policy == "elastic"
+    for cluster, reason in [
+        ({"hosts": [hosts[1]]}, "at least 2 cells"),
+        (
+            {"hosts": hosts, "core_hosts": ["b"]},
+            "core_hosts = \\['b'\\]: the scheduler's core is one process",
+        ),
+        ({"hosts": hosts, "gateways": 2}, "gateways = 2: the scheduler dispatches through one gateway"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            CampaignConfig.model_validate({**base, "cluster": cluster})
+
+
 def test_evaluation_is_due_every_n_versions_and_at_the_last():
     assert [v for v in range(1, 8) if EvaluationConfig(every=3).due(v, 7)] == [3, 6, 7]
     assert [v for v in range(1, 5) if EvaluationConfig().due(v, 4)] == [4]

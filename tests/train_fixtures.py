@@ -98,12 +98,26 @@ def load_float32(model_dir: str) -> torch.nn.Module:
     return load_model(model_dir, dtype=torch.float32)
 
 
-def reference_step(model_dir: str, batch: PackedBatch, batch_uri: str, weights_dir: str) -> dict[str, Any]:
-    """What the elastic tests compare with, as their setup's entries: the trainer config, the initial
-    weights, and the non-streaming step over the whole batch on the core alone (its weights, gradient
-    and report after the step), with the folders it used."""
+def chunk_files(batch: PackedBatch, folder: str) -> list[tuple[str, int, int]]:
+    """The batch's sequences as a streaming producer appends them, one execution a chunk, each written
+    to ``folder``: [(chunk URI, sequences, executions)]."""
+    from engines.train.stream import write_chunk
+
+    return [
+        (write_chunk(seqs, f"{folder}/c{k}.parquet"), len(seqs), n)
+        for k, (seqs, n) in enumerate(chunks_by_execution(batch, 1))
+    ]
+
+
+def reference_step(
+    model_dir: str, batch: PackedBatch, batch_uri: str, weights_dir: str, config: TrainerConfig | None = None
+) -> dict[str, Any]:
+    """What the elastic tests compare with, as their setup's entries: the trainer config (``config``,
+    else TRAINER), the initial weights, and the non-streaming step over the whole batch on the core
+    alone (its weights, gradient and report after the step), with the folders it used."""
+    config = config or TRAINER
     initial = {k: v.detach().clone() for k, v in load_float32(model_dir).state_dict().items()}
-    core = CoreTrainer(load_float32(model_dir), TRAINER)
+    core = CoreTrainer(load_float32(model_dir), config)
     coordinator = ElasticCoordinator(core)
     n_executions = len(batch.advantages)
     report = coordinator.run_step(
@@ -114,7 +128,7 @@ def reference_step(model_dir: str, batch: PackedBatch, batch_uri: str, weights_d
         "model_dir": model_dir,
         "batch": batch,
         "weights_dir": weights_dir,
-        "config": TRAINER,
+        "config": config,
         "initial": initial,
         "reference": core.weights(),
         "reference_grad": core.last_grad.clone(),
@@ -132,3 +146,57 @@ def update_rel_diff(weights: dict[str, torch.Tensor], setup: dict[str, Any]) -> 
         num += float((update - ref_update).double().pow(2).sum())
         den += float(ref_update.double().pow(2).sum())
     return (num / den) ** 0.5
+
+
+def streamed_case(root, seed: int, config: TrainerConfig | None = None) -> tuple[list, dict[str, Any]]:
+    """A policy (tiny_model(5)) and a batch of 8 executions (``seed``) under ``root``, the batch as
+    one-execution chunks (chunk_files) and the reference step over the whole batch on the core alone
+    (reference_step, with ``config``): (chunks, setup)."""
+    import os
+
+    from engines.train.stream import write_chunk
+
+    model_dir = str(root / "model")
+    tiny_model(5).save_pretrained(model_dir, safe_serialization=True)
+    batch = packed_batch(str(root / "batch"), seed=seed, n_executions=8, budget=16)
+    perturb_behaviour(batch, seed)
+    weights_dir = str(root / "fast")
+    os.makedirs(weights_dir)
+    uri = write_chunk(batch.sequences, str(root / "batch.parquet"))
+    return chunk_files(batch, str(root / "chunks")), reference_step(
+        model_dir, batch, uri, weights_dir, config
+    )
+
+
+class CoreStreaming:
+    """The core's streaming step 0 on ``setup`` (streamed_case), trained on a thread (paced, so a
+    satellite has micro-batches left to take), with a producer: ``append(chunks)``, then ``finish()``
+    gives the step's report."""
+
+    def __init__(self, setup: dict[str, Any]):
+        import threading
+
+        from engines.train.stream import StreamProducer
+
+        self.core = CoreTrainer(load_float32(setup["model_dir"]), setup["config"])
+        self.coordinator = ElasticCoordinator(self.core)
+        self.step = self.coordinator.open_step(0, weights_dir=setup["weights_dir"])
+        self.reports: list = []
+        self.thread = threading.Thread(
+            target=lambda: self.reports.append(self.step.train(pace_s=0.05)), daemon=True
+        )
+        self.thread.start()
+        self.producer = StreamProducer(*self.step.address)
+        self.appended = 0
+
+    def append(self, chunks: list[tuple[str, int, int]]) -> None:
+        for chunk_uri, count, n in chunks:
+            self.producer.append(chunk_uri, count, n, key=f"c{self.appended}")
+            self.appended += 1
+
+    def finish(self):
+        self.producer.close()
+        self.thread.join(120)
+        assert self.reports, "the core's step did not end"
+        self.coordinator.close()
+        return self.reports[0]

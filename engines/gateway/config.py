@@ -87,6 +87,11 @@ class EngineSpec(BaseModel):
         "through shared memory, on two hosts over TCP. None: the host of its URL (every loopback "
         "address is one host)",
     )
+    trainer_url: str | None = Field(
+        None,
+        description="the cell's trainer replica (scheduler/remote.py ReplicaServer) beside the engine, for a "
+        "cell on a host of [cluster] that the elastic scheduler switches to training; None: none",
+    )
 
 
 class GatewayConfig(BaseModel):

@@ -68,6 +68,7 @@ class EngineClient:
         self.engine_id = engine_id
         self.url = url.rstrip("/")
         self.host = host or host_of(self.url)
+        self.trainer_url: str | None = None  # its cell's trainer replica (EngineSpec.trainer_url)
         self.admin_token = admin_token
         self.state: EngineState = "active"
         self.in_flight = 0

@@ -105,6 +105,7 @@ class Router:
             timeout_s=timeout_s,
             host=spec.host,
         )
+        engine.trainer_url = spec.trainer_url
         try:
             own_id = await engine.probe()
         except (EngineDown, EngineRejected) as exc:
@@ -354,6 +355,7 @@ class Router:
                 engine_id=e.engine_id,
                 url=e.url,
                 host=e.host,
+                trainer_url=e.trainer_url,
                 state=e.state,
                 sessions=len(e.sessions),
                 in_flight=e.in_flight,

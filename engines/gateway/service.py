@@ -156,7 +156,11 @@ class Gateway:
     # admin ------------------------------------------------------------------------------------------
     async def add_engine(self, body: AddEngine) -> EngineAdded:
         spec = EngineSpec(
-            url=body.url, engine_id=body.engine_id, admin_token=body.admin_token, host=body.host
+            url=body.url,
+            engine_id=body.engine_id,
+            admin_token=body.admin_token,
+            host=body.host,
+            trainer_url=body.trainer_url,
         )
         engine, old = await self.router.connect(
             spec,
