@@ -254,6 +254,7 @@ def campaign_on_hosts(
         # under a scheduler: its switches, and the micro-batches computed off the core (replicas on hosts)
         "switches_by_step": [int(r.metrics.get("switches", 0)) for r in records],
         "satellites_by_step": [int(r.metrics.get("satellites", 0)) for r in records],
+        "cells_moved_by_step": [int(r.metrics.get("cells_moved", 0)) for r in records],
         "micro_batches_off_core": [
             int(r.metrics.get("micro_batches", 0) - r.metrics.get("core_micro_batches", 0)) for r in records
         ],

@@ -142,6 +142,7 @@ class Controller:
         self.switching: dict[str, asyncio.Task] = {}
         self.moving_to: dict[str, str] = {}
         self.errors: list[str] = []
+        self.moves_counted = 0  # the pool's moves (cells started again on another host) in a StepDone
         self.timeline: list[tuple[float, str, str]] = []
         self.outcomes: list[Outcome] = []
         self.running: set[asyncio.Task] = set()
@@ -226,10 +227,15 @@ class Controller:
             await asyncio.to_thread(step.training.close)
             report = await asyncio.to_thread(step.training.wait)
             self.reports.append(self._step_done(step, report, started))
-            self.version = report.version
             if self.on_step is not None:
                 await asyncio.to_thread(self.on_step, self.reports[-1], report)
-            await self._serve_new_version()
+            # Executions are dispatched at self.version: it moves once the awake engines serve the new
+            # version. Before 2026-12-07 it moved first, and the executions dispatched while the
+            # engines loaded it (seconds; more on hosts, from object storage) ran on the old one: left
+            # out as stale at max_policy_lag 0. A cell woken meanwhile (at the old one) is served next.
+            await self._serve_new_version(report.version)
+            self.version = report.version
+            await self._serve_new_version(report.version)
 
     # -- executions ----------------------------------------------------------------------------
 
@@ -319,14 +325,14 @@ class Controller:
                 f"serving v{self.version} on moved cell {cell_id}: {type(error).__name__}: {error}"
             )
 
-    async def _serve_new_version(self) -> None:
+    async def _serve_new_version(self, version: int) -> None:
         awake = [
             c.spec.engine_url
             for c in self.pool.cells.values()
             if c.role == "rollout" and c.spec.cell_id not in self.switching
         ]
         if awake:
-            await asyncio.to_thread(self.runtime.serve, awake, self.version)
+            await asyncio.to_thread(self.runtime.serve, awake, version)
         for cell in self.pool.cells.values():
             if cell.replica and cell.replica.busy:
                 await asyncio.to_thread(_drain_result, cell.replica)
@@ -343,8 +349,13 @@ class Controller:
                 if cell.replica and not cell.replica.busy and step.training and not step.closed:
                     await asyncio.to_thread(cell.replica.join, *step.training.address())  # a newer step
             else:
-                path = self.runtime.weights_path(self.version)
-                await asyncio.to_thread(self.pool.to_rollout, cell_id, self.version, path)
+                version = self.version
+                path = self.runtime.weights_path(version)
+                await asyncio.to_thread(self.pool.to_rollout, cell_id, version, path)
+                if self.version != version:  # a newer one was served while it woke
+                    await asyncio.to_thread(
+                        self.runtime.serve, [self.pool.cells[cell_id].spec.engine_url], self.version
+                    )
             self.timeline.append((self.pool.now(), cell_id, role))
         except Exception as error:  # the cell keeps its old role; the run goes on and reports it
             self.errors.append(f"switch of {cell_id} to {role}: {type(error).__name__}: {error}")
@@ -398,8 +409,13 @@ class Controller:
             rolled_out_at=self._wall + rolled_out,
             ended_at=self._wall + now,
             metrics=dict(report.metrics),
-            figures=dict(step.figures),
+            figures=dict(step.figures) | {"cells_moved": float(self._new_moves())},
         )
+
+    def _new_moves(self) -> int:
+        """Cells that moved host since the last step ended (their version served by then)."""
+        new, self.moves_counted = len(self.pool.moves) - self.moves_counted, len(self.pool.moves)
+        return new
 
 
 def _drain_result(replica) -> None:
