@@ -103,6 +103,7 @@ def campaign_on_hosts(
     kill_gateway: bool = False,
     core_hosts: tuple[str, ...] = (),
     scheduler: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Runs the campaign with ``cells[i]`` cells on host h<i+1>, cutting host ``cut`` off during step
     1; its figures, and the checks of what it recorded (see the module's docstring).
@@ -110,13 +111,15 @@ def campaign_on_hosts(
     ``gateways``: [cluster]'s; ``kill_gateway``: SIGKILL the last gateway during step 0, once it has
     answered its first call (its executions go on at their standby; the campaign starts it again);
     ``core_hosts``: [cluster]'s (a rank of the core on each of them every step); ``scheduler``: the
-    campaign's [scheduler] section (its cells switch roles; each also serves a trainer replica)."""
+    campaign's [scheduler] section (its cells switch roles; each also serves a trainer replica);
+    ``overrides``: a partial campaign config merged over the bench's (another workload)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from engines.model import ModelConfig, init_model
     from flows.campaign import campaign, campaign_store
+    from tasks.commit import committed_evaluations
     from trajectory_store.config import SelectionConfig
     from trajectory_store.db import connect
     from trajectory_store.storage import Store
@@ -145,6 +148,8 @@ def campaign_on_hosts(
             "core_hosts": list(core_hosts),
         }
         config = campaign_config("across", policy, f"s3://{bucket}/data", cluster, scheduler)
+        if overrides:
+            config = config.merged(overrides)
         deploy_cells(config.cluster)
         worker_env = {
             **env,
@@ -190,7 +195,9 @@ def campaign_on_hosts(
             "SELECT count(*) FROM executions e WHERE n_calls > "
             "(SELECT count(*) FROM calls c WHERE c.execution_id = e.execution_id)"
         ).fetchall()[0][0]
-        measured = measured_run(con, records, 2, sessions_per_cell=-(-2 * PER_STEP // sum(cells)))
+        executions_a_step = config.problems.per_step * config.dispatch.group_size
+        measured = measured_run(con, records, 2, sessions_per_cell=-(-executions_a_step // sum(cells)))
+        evaluations = committed_evaluations(store)
         at_standby = con.sql(
             f"SELECT count(DISTINCT execution_id) FROM calls WHERE call_id >= {STANDBY_CALL_BASE}"
         ).fetchall()[0][0]
@@ -198,7 +205,7 @@ def campaign_on_hosts(
             con.sql("SELECT step, list(DISTINCT policy_version) FROM calls GROUP BY ALL").fetchall()
         )
         trained: dict[str, int] = {}
-        for step in range(STEPS):  # the step's batch, or the scheduler's chunk of each group
+        for step in range(len(records)):  # the step's batch, or the scheduler's chunk of each group
             for path in target.fs.glob(target.path(f"batches/step={step}/*.parquet")):
                 table = pq.read_table(io.BytesIO(target.read_bytes(path)), columns=["executions"])
                 for execution in {e for row in table.column("executions").to_pylist() for e in row}:
@@ -220,8 +227,10 @@ def campaign_on_hosts(
             for r in runs
         }
 
-    dispatched = STEPS * PER_STEP * 2
+    dispatched = len(records) * executions_a_step
     step_s = [round(r.metrics["step_s"], 2) for r in records]
+    # the steps from the first's start to the last's commit (a scheduler's steps overlap)
+    span = records[-1].committed_at - min(r.committed_at - r.metrics["step_s"] for r in records)
     return {
         "hosts": len(cells),
         "cells": dict(zip(names, cells, strict=True)),
@@ -230,6 +239,8 @@ def campaign_on_hosts(
         "steps": len(records),
         "step_s": step_s,
         "step_s_mean": round(sum(step_s) / len(step_s), 2),
+        "steps_span_s": round(span, 2),
+        "held_out": evaluations.get(max(evaluations, default=-1), {}),  # the last version's evaluation
         "wall_s": round(wall_s, 1),
         "executions": executions[0],
         "executions_lost": dispatched - executions[1] + short,

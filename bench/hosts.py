@@ -54,8 +54,14 @@ The simulator beside it (`campaign.sim_prediction`, not with --quick): calibrate
 3-host run's steps from that run's executions, the weights reaching each host's cells over its own
 link (sim/calibrate.py `on_hosts`), at the rate the weight delivery measured.
 
+The scheduler's policies across hosts (`elastic`, bench/hosts_schedule.py; not with --quick):
+colocate, async and elastic under the scheduler service on three hosts, their cells' replicas on
+the hosts, two rounds, on a long-tailed workload; elastic with h3 cut off; and the simulator
+calibrated on one host predicting each row.
+
 Pieces: bench/hosts_kv.py (`kv_migration`), bench/hosts_train.py (`train`, with the weight delivery),
-bench/hosts_core.py (`core`), bench/hosts_campaign.py (`campaign`, with `sim_prediction`); this
+bench/hosts_core.py (`core`), bench/hosts_campaign.py (`campaign`, with `sim_prediction`),
+bench/hosts_schedule.py (`elastic`); this
 module runs them in turn, writes the figures and checks them. `sim_prediction` is imported here
 again (``import X as X``) for tests/test_sim_hosts.py.
 """
@@ -73,6 +79,7 @@ from bench.hosts_campaign import campaign_across_hosts
 from bench.hosts_campaign import sim_prediction as sim_prediction
 from bench.hosts_core import core_across_hosts
 from bench.hosts_kv import kv_migration
+from bench.hosts_schedule import schedules_across_hosts
 from bench.hosts_train import SATELLITE_PLACES, train_across_hosts
 
 DEFAULT_OUT = "bench/results/hosts.json"
@@ -88,6 +95,8 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     report["train"] = train_across_hosts()
     report["core"] = core_across_hosts()
     report["campaign"] = campaign_across_hosts(quick, report["train"]["weight_delivery"])
+    if not quick:
+        report["elastic"] = schedules_across_hosts(delivery=report["train"]["weight_delivery"])
     report["wall_s"] = round(time.perf_counter() - started, 1)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
@@ -113,6 +122,12 @@ def main(quick: bool = False, out: str = DEFAULT_OUT) -> int:
     campaign = report["campaign"]
     if campaign["executions_lost"] or campaign["trained_twice"]:
         print("the campaign with a host cut off lost executions or trained one twice", file=sys.stderr)
+        return 1
+    cut = report.get("elastic", {}).get("cut", {})
+    if cut.get("executions_lost") or cut.get("trained_twice") or cut.get("calls_recorded_twice"):
+        print(
+            "the elastic campaign with a host cut off lost or counted twice what it recorded", file=sys.stderr
+        )
         return 1
     killed = campaign["gateway_killed"]
     if killed["executions_lost"] or killed["trained_twice"] or killed["calls_recorded_twice"]:

@@ -120,9 +120,12 @@ ReplicaCommand = Join | Stop
 ReplicaEvent = Ready | Joined | Left
 
 
-def replica_main(model_dir: str, env: dict[str, str], loss: dict, commands, events, leave) -> None:
+def replica_main(
+    model_dir: str, env: dict[str, str], loss: dict, commands, events, leave, address: str | None = None
+) -> None:
     """A cell's trainer replica: takes its cell's devices (``env``: engines/devices.py process_env),
-    builds the model once, then joins the steps it is sent to.
+    builds the model once, then joins the steps it is sent to (``address``: its host's on the cluster
+    network, where it takes part in the step's gloo reduction; None: torch's default, this machine).
 
     commands: `Join` or `Stop`; events: `Ready` once built, `Joined` once it counts in the step, then
     `Left` when it left or the step ended; ``leave`` (an Event) asks it to leave after its current
@@ -132,6 +135,7 @@ def replica_main(model_dir: str, env: dict[str, str], loss: dict, commands, even
 
     from engines.model.weights import load_model
     from engines.train.config import LossConfig
+    from engines.train.run import elastic_at
     from engines.train.stream import read_batch
     from engines.train.worker import GradWorker
 
@@ -152,6 +156,7 @@ def replica_main(model_dir: str, env: dict[str, str], loss: dict, commands, even
                 read_batch,
                 leave=leave.is_set,
                 joined=lambda info: events.put(Joined(info)),
+                config=elastic_at(address or "127.0.0.1"),
             )
         except Exception as error:  # the step failed for this replica; the core redoes its share
             result = {"error": f"{type(error).__name__}: {error}"}
@@ -162,17 +167,23 @@ class Replica:
     """The handle of one replica process (spawned once, reused by every switch of its cell)."""
 
     def __init__(
-        self, model_dir: str, threads: int, loss: dict | None = None, cell: CellDevices | None = None
+        self,
+        model_dir: str,
+        threads: int,
+        loss: dict | None = None,
+        cell: CellDevices | None = None,
+        address: str | None = None,
     ):
         """``cell``: its cell's GPUs, cores and CPU cgroup (``threads`` threads, or the cell's when given):
-        the process joins the cell's cgroup as it starts (engines/devices/settings.enter_cell)."""
+        the process joins the cell's cgroup as it starts (engines/devices/settings.enter_cell).
+        ``address``: its host's on the cluster network (a cell on another host than the core's)."""
         context = multiprocessing.get_context("spawn")
         self.commands, self.events, self.leave = context.Queue(), context.Queue(), context.Event()
         env = process_env(cell or CellDevices(threads=threads))
         self.loss = loss  # sent with every join: a replica's loss is the core's
         self.process = context.Process(
             target=replica_main,
-            args=(model_dir, env, loss or {}, self.commands, self.events, self.leave),
+            args=(model_dir, env, loss or {}, self.commands, self.events, self.leave, address),
             daemon=True,
         )
         self.process.start()

@@ -401,10 +401,19 @@ def make_policy(name: str, **params: object) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
     policy_class, config_class = POLICIES[name]
-    known = {f.name for f in fields(config_class)}
-    unknown = sorted(set(params) - known)
+    known = {f.name: f.type for f in fields(config_class)}
+    unknown = sorted(set(params) - set(known))
     if unknown:
         raise ValueError(
             f"{name} has no setting {', '.join(unknown)}: its settings are {sorted(known) or 'none'}"
         )
+    # a config's [scheduler] params are floats (TOML's 2 arrives as 2.0): a whole-number setting
+    # takes its int. Before 2026-12-07 async's train_cells = 2 from a config crashed the scheduler.
+    whole = {k for k, kind in known.items() if kind in (int, "int")}
+    for key in whole & set(params):
+        value = params[key]
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(f"{name}'s {key} is a whole number; got {value}")
+            params[key] = int(value)
     return policy_class(config_class(**params))

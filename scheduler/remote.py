@@ -48,7 +48,8 @@ class ReplicaServer:
         cell: CellDevices | None = None,
         port: int | None = None,
     ):
-        self.replica = Replica(model_dir, threads, None, cell)
+        # its gloo reduction binds the host's address: torch's default may pick another interface
+        self.replica = Replica(model_dir, threads, None, cell, address=address)
         self.port = port or free_port(address)
         self.url = f"http://{address}:{self.port}"
 

@@ -189,6 +189,14 @@ def test_make_policy_names_and_settings():
         make_policy("greedy")
     with pytest.raises(ValueError, match="has no setting"):
         make_policy("colocate", depth=2)
+    # [scheduler] params come as floats (a config's `train_cells = 2` is 2.0): a whole number takes its int
+    from scheduler.config import SchedulerConfig
+
+    params = SchedulerConfig(policy="async", params={"train_cells": 2}).params
+    assert params == {"train_cells": 2.0} and make_policy("async", **params).config.train_cells == 2
+    assert type(make_policy("elastic", depth=2.0).config.depth) is int
+    with pytest.raises(ValueError, match=r"train_cells is a whole number; got 1\.5"):
+        make_policy("async", train_cells=1.5)
 
 
 # ---- property tests on random sequences ---------------------------------------------------------

@@ -1,0 +1,154 @@
+"""The scheduler's three policies on three hosts, and the simulator's prediction of each: `gyre bench
+hosts`' `elastic` section (issue 50).
+
+Each row is bench/cluster.py's campaign under the scheduler service with one policy (colocate, async,
+elastic), its three cells one on each of three hosts (network namespaces), on the same problems and
+the same long-tailed workload (WORKLOAD): each cell an engine and a trainer replica on its host, the
+core in the root namespace. A row's time is its steps' span (the first step's start to the last
+commit: a scheduler's steps overlap); ``ROUNDS`` rounds, the policies in turn within each, the means
+compared (``speedup_vs_async`` = async's mean / elastic's, ``speedup_vs_colocate`` likewise). Each
+row's held-out evaluation of its last version is kept beside it. ``cut``: elastic again with h3 cut
+off while step 1 rolls out there (lost, recorded twice, trained twice).
+
+The simulator (``sim_vs_real_error``): calibrated on a 1-host colocate run of the same workload (its
+three cells on one host, sim/calibrate.py), it predicts each 3-host row's span from that row's
+executions under the row's policy, the weights reaching each host over its own link; the error is
+|predicted - measured| / measured, the largest of the three rows.
+
+The hosts share this machine's two cores: a cell switched from rollout to training moves no hardware
+of its own (the cells are not partitioned across hosts), which bounds what elastic can gain here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scheduler.policy import make_policy
+from sim.calibrate import calibrate, on_hosts, predict
+
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "colocate": {"policy": "colocate"},
+    "async": {"policy": "async", "params": {"train_cells": 1}},
+    # gain_factor 0: move whenever capacity allows (the controller estimates no backlog in seconds yet)
+    "elastic": {"policy": "elastic", "params": {"depth": 2, "min_dwell_s": 1.0, "gain_factor": 0.0}},
+}
+WORKLOAD: dict[str, Any] = {
+    "max_policy_lag": 1,
+    "dispatch": {"durations": {"short_turns": 2, "long_fraction": 0.34, "long_factor": [3.0, 5.0]}},
+}
+"""A third of the executions run 3-5 times as many turns: the tail that elastic moves cells away from."""
+ROUNDS = 2
+DEPTH = {"colocate": 1, "async": 2, "elastic": 2}
+
+
+def _run(
+    cells: list[int], schedule: str, workload: dict[str, Any] = WORKLOAD, **more: Any
+) -> tuple[dict[str, Any], Any]:
+    from bench.cluster import campaign_on_hosts
+
+    with tempfile.TemporaryDirectory(prefix=f"gyre-bench-hosts-{schedule}-") as tmp:
+        row = campaign_on_hosts(
+            Path(tmp), cells, heartbeat_misses=5, scheduler=SCHEDULES[schedule], overrides=workload, **more
+        )
+    row.pop("cell_runs")
+    measured = dataclasses.replace(row.pop("measured"), makespan_s=row["steps_span_s"], policy=schedule)
+    return row, measured
+
+
+def _shown(row: dict[str, Any]) -> str:
+    return (
+        f"span {row['steps_span_s']:6.1f} s  steps {row['step_s']} s  switches {row['switches_by_step']}  "
+        f"replica micro-batches {row['micro_batches_off_core']}  lost {row['executions_lost']}  trained "
+        f"twice {row['trained_twice']}  held-out {row['held_out'].get('mean_reward')}"
+    )
+
+
+def schedules_across_hosts(
+    rounds: int = ROUNDS, delivery: dict[str, Any] | None = None, progress: Path | None = None
+) -> dict[str, Any]:
+    """The three policies' rows on three hosts (``rounds`` rounds), elastic with h3 cut, and the
+    simulator's prediction of each row calibrated on one host (``delivery``: train.weight_delivery's
+    figures, the link rate; None: the links left out; ``progress``: a file the rows are written to
+    before the cut and the calibration run)."""
+    spans: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in SCHEDULES}
+    measured: dict[str, Any] = {}
+    for round_ in range(rounds):
+        for name in SCHEDULES:
+            row, measured[name] = _run([1, 1, 1], name)
+            spans[name].append(row["steps_span_s"])
+            rows[name].append(row)
+            print(f"elastic     round {round_ + 1} {name:<9} {_shown(row)}", flush=True)
+    mean = {name: sum(v) / len(v) for name, v in spans.items()}
+    if progress is not None:  # the rows so far, should a later run fail
+        progress.write_text(json.dumps({"rounds": spans, "rows": rows}, indent=1, default=str) + "\n")
+    # the cut comes once h3's cell serves version 1 with sessions: at max_policy_lag 0 step 1 runs there
+    cut, _ = _run([1, 1, 1], "elastic", {**WORKLOAD, "max_policy_lag": 0}, cut="h3")
+    print(f"elastic     cut h3    {_shown(cut)}  moved {cut['moved']}", flush=True)
+    one, calibration = _run([3], "colocate")
+    print(f"elastic     1 host    colocate (the simulator's calibration) {_shown(one)}", flush=True)
+    try:
+        sim = sim_rows(calibration, measured, delivery)
+    except Exception as error:  # the rows measured stay; the prediction says why it is missing
+        sim = {"error": f"{type(error).__name__}: {error}", "rows": {}}
+    figures = {
+        "hosts": 3,
+        "rounds": {name: spans[name] for name in SCHEDULES},
+        "span_s_mean": {name: round(m, 2) for name, m in mean.items()},
+        "speedup_vs_async": round(mean["async"] / mean["elastic"], 3),
+        "speedup_vs_colocate": round(mean["colocate"] / mean["elastic"], 3),
+        "held_out": {name: [r["held_out"] for r in rows[name]] for name in SCHEDULES},
+        "rows": rows,
+        "cut": {
+            k: cut[k]
+            for k in ("executions_lost", "trained_twice", "calls_recorded_twice", "moved", "recovery_s")
+        }
+        | {"cells_moved": sum(cut["cells_moved_by_step"])},
+        "sim": sim,
+        "sim_vs_real_error": max((r["error"] for r in sim["rows"].values()), default=None),
+    }
+    print(
+        f"elastic     speedup vs async {figures['speedup_vs_async']}  vs colocate "
+        f"{figures['speedup_vs_colocate']}  (span means {figures['span_s_mean']})  sim error "
+        f"{figures['sim_vs_real_error']}",
+        flush=True,
+    )
+    return figures
+
+
+def sim_rows(one, rows: dict[str, Any], delivery: dict[str, Any] | None) -> dict[str, Any]:
+    """The simulator calibrated on the 1-host colocate run ``one`` predicting each 3-host row's span
+    (the last round's) under its policy."""
+    machine = calibrate(one, make_policy("colocate"), 3, one.sessions_per_cell)
+    if delivery is not None:
+        machine = on_hosts(machine, 3, 1, delivery["bytes"], delivery["bytes"] / delivery["other_host_s"])
+    predicted = {
+        name: predict(machine, run, make_policy(name, **SCHEDULES[name].get("params", {})), DEPTH[name])
+        for name, run in rows.items()
+    }
+    return {
+        "calibrated_on": "1 host, colocate",
+        "span_s_1_host": round(one.makespan_s, 2),
+        "rows": {
+            name: {
+                "predicted_s": round(p, 2),
+                "measured_s": round(rows[name].makespan_s, 2),
+                "error": round(abs(p - rows[name].makespan_s) / rows[name].makespan_s, 4),
+            }
+            for name, p in predicted.items()
+        },
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS
+    out = sys.argv[2] if len(sys.argv) > 2 else "bench/results/hosts_elastic.json"
+    result = schedules_across_hosts(rounds, progress=Path(out).with_suffix(".partial.json"))
+    Path(out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {out}")
