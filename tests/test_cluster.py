@@ -90,9 +90,6 @@ def test_a_worker_silent_for_its_heartbeats_marks_its_host_lost(prefect_harness)
     assert "3.1 heartbeats" in fleet.lost_hosts()["a"]
 
 
-# the two three-host campaigns one after the other on one worker: side by side they loaded the two
-# cores so that each took 500 s (about 230 s and 270 s alone)
-@pytest.mark.xdist_group("hosts")
 @pytest.mark.slow
 def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_and_a_gateway_killed(
     tmp_path,

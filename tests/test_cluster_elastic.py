@@ -13,9 +13,6 @@ import pytest
 ELASTIC = {"policy": "elastic", "params": {"depth": 1, "min_dwell_s": 1.0, "gain_factor": 0.0}}
 
 
-# the two three-host campaigns one after the other on one worker: side by side they loaded the two
-# cores so that each took 500 s (about 230 s and 270 s alone)
-@pytest.mark.xdist_group("hosts")
 @pytest.mark.slow
 def test_the_elastic_scheduler_switches_cells_on_three_hosts_and_survives_one_cut_off(tmp_path):
     from bench.cluster import campaign_on_hosts
