@@ -10,9 +10,9 @@ runs in the root namespace. Each host runs one process worker of its pool, which
 cells (flows/cell.py). The campaign is colocate: every step rolls out on every cell, then trains.
 
 With ``cut``, that host's link goes down once its first cell serves version 1 and holds sessions
-(step 1 rolls out there): the cell fleet finds the host's worker silent, marks its cells crashed and
-starts them again on the other hosts with version 1; calls in flight there re-run elsewhere from
-their recorded prompts.
+(step 1 rolls out there; ``cut_step=0``: version 0, after the baseline evaluation): the cell fleet
+finds the host's worker silent, marks its cells crashed and starts them again on the other hosts
+with the version served; calls in flight there re-run elsewhere from their recorded prompts.
 
 The figures: step times, the bytes that crossed each host's link (its interface counters: weights
 from S3, calls and answers, health checks, Prefect), and with a cut host, when it was found lost
@@ -98,6 +98,7 @@ def campaign_on_hosts(
     workdir: Path,
     cells: list[int],
     cut: str | None = None,
+    cut_step: int = 1,
     heartbeat_misses: int = 3,
     gateways: int = 1,
     kill_gateway: bool = False,
@@ -106,7 +107,7 @@ def campaign_on_hosts(
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Runs the campaign with ``cells[i]`` cells on host h<i+1>, cutting host ``cut`` off during step
-    1; its figures, and the checks of what it recorded (see the module's docstring).
+    ``cut_step`` (0 or 1); its figures, and the checks of what it recorded (see the module's docstring).
     ``heartbeat_misses``: [cluster]'s (a test on a loaded machine gives the workers more slack).
     ``gateways``: [cluster]'s; ``kill_gateway``: SIGKILL the last gateway during step 0, once it has
     answered its first call (its executions go on at their standby; the campaign starts it again);
@@ -173,7 +174,7 @@ def campaign_on_hosts(
         thread = threading.Thread(target=run, name="campaign")
         thread.start()
         killing = _kill_gateway_during_step_0(config, thread, result) if kill_gateway else {}
-        cutting = _cut_during_step_1(by_name[cut], thread, result) if cut else {}
+        cutting = _cut_during(by_name[cut], cut_step, config, thread, result) if cut else {}
         thread.join(1800)
         if thread.is_alive() or "error" in result:
             raise RuntimeError(f"the campaign on {len(cells)} hosts failed: {result.get('error')!r}")
@@ -375,9 +376,12 @@ def running_fleets_order_block() -> str:
     return running_fleets()[0].order.tokens_block
 
 
-def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -> dict[str, Any]:
-    """Cuts ``host`` off once its first cell serves version 1 and holds sessions (step 1 rolls out
-    there); then waits until the fleet has found it lost and its cells serve again elsewhere."""
+def _cut_during(host: TestHost, step: int, config, thread: threading.Thread, result: dict) -> dict[str, Any]:
+    """Cuts ``host`` off once its first cell serves version ``step`` and holds sessions (``step``
+    rolls out there: for step 0, once the baseline evaluation is recorded); then waits until the
+    fleet has found it lost and its cells serve again elsewhere."""
+    if step not in (0, 1):
+        raise ValueError(f"a host is cut off during step 0 or 1 of the bench's two; got {step}")
     from prefect.blocks.system import Secret
 
     from stack.campaign import running_fleets
@@ -397,7 +401,10 @@ def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -
     gateways = [fleet.order.gateway_url, *fleet.order.more_gateways]
     with AdminClient(fleet.order.gateway_url, tokens["admin_token"], tokens["engine_admin_token"]) as admin:
         while True:
-            alive(f"step 1 never ran on {host.name}")
+            alive(f"step {step} never ran on {host.name}")
+            if step == 0 and not _evaluated_version_0(config):
+                time.sleep(0.1)
+                continue
             with contextlib.suppress(httpx.TransportError):  # a cell between two runs, a gateway restarting
                 view, sessions = None, 0
                 for url in gateways:  # each gateway holds the sessions of the executions pinned to it
@@ -405,7 +412,7 @@ def _cut_during_step_1(host: TestHost, thread: threading.Thread, result: dict) -
                         seen = next((e for e in one.gateway_stats().engines if e.engine_id == mine[0]), None)
                     if seen is not None:
                         view, sessions = view or seen, sessions + seen.sessions
-                if view is not None and sessions > 0 and admin.engine_stats(view.url).policy_version == 1:
+                if view is not None and sessions > 0 and admin.engine_stats(view.url).policy_version == step:
                     break
             time.sleep(0.1)
         cut_off(host)

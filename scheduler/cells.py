@@ -36,6 +36,7 @@ idle GPU is. ``pool.partition.usage_s()`` is each cell's CPU use.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import queue
 import threading
@@ -50,6 +51,8 @@ from engines.devices import settings as devices
 from engines.devices.cpu_quota import CpuPartition
 from engines.train.satellite import run_satellite
 from scheduler.policy import CellState, Role
+
+log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 120.0  # a replica that has not joined by then has failed (start-up is seconds)
 
@@ -364,6 +367,7 @@ class CellPool:
         self.cells = {c.spec.cell_id: c for c in cells}
         self.switches: list[Switch] = []
         self.moves: list[tuple[float, str, str, str]] = []  # (now, cell id, old URL, new URL)
+        self.lost: set[str] = set()  # cells whose engine the gateway holds dead (with ``follow``)
         self._unserved: list[str] = []
         self.partition = partition or CpuPartition.none()
 
@@ -500,11 +504,13 @@ class CellPool:
 
     def follow_moves(self) -> list[str]:
         """Cells the gateway lists at another URL than theirs (their host was lost: the fleet started
-        them again elsewhere) take their new ends and serve; their ids."""
+        them again elsewhere) take their new ends and serve; their ids. Cells it lists dead, or not
+        at all, are ``lost`` until then."""
         if self._follow is None or self._moved_to is None:
             return []
-        moved = []
-        for engine_id, (url, trainer_url) in self._follow().items():
+        moved, listed = [], self._follow()
+        self.lost = {c.spec.cell_id for c in self.cells.values() if c.spec.engine_id not in listed}
+        for engine_id, (url, trainer_url) in listed.items():
             cell = next((c for c in self.cells.values() if c.spec.engine_id == engine_id), None)
             if cell is None or url == cell.spec.engine_url:
                 continue
@@ -512,6 +518,7 @@ class CellPool:
             self._moved_to(cell, url, trainer_url)
             cell.role, cell.since = "rollout", self.now()
             self.moves.append((self.now(), cell.spec.cell_id, old, url))
+            log.warning("cell %s moved: it serves at %s now (was %s)", cell.spec.cell_id, url, old)
             self._unserved.append(cell.spec.cell_id)
             moved.append(cell.spec.cell_id)
         return moved

@@ -178,7 +178,7 @@ class Controller:
             decision = self.policy.decide(state)
             self.decisions += 1
             for cell_id, role in decision.roles.items():
-                if cell_id not in self.switching:
+                if cell_id not in self.switching and cell_id not in self.pool.lost:
                     self.moving_to[cell_id] = role
                     self.switching[cell_id] = asyncio.create_task(self._switch(cell_id, role))
             for order in decision.dispatch:
@@ -329,10 +329,14 @@ class Controller:
         awake = [
             c.spec.engine_url
             for c in self.pool.cells.values()
-            if c.role == "rollout" and c.spec.cell_id not in self.switching
+            if c.role == "rollout" and c.spec.cell_id not in self.switching.keys() | self.pool.lost
         ]
-        if awake:
-            await asyncio.to_thread(self.runtime.serve, awake, version)
+        try:
+            if awake:
+                await asyncio.to_thread(self.runtime.serve, awake, version)
+        except Exception as error:  # none answered (lost before the gateway held them dead): the
+            # run goes on; a cell back to rollout wakes at self.version, a moved one is served it
+            self.errors.append(f"serving v{version} on {awake}: {type(error).__name__}: {error}")
         for cell in self.pool.cells.values():
             if cell.replica and cell.replica.busy:
                 await asyncio.to_thread(_drain_result, cell.replica)
@@ -369,7 +373,13 @@ class Controller:
                 cell_id=c.cell_id,
                 role=self.moving_to.get(c.cell_id, c.role),  # a switching cell: the role it moves into
                 core=c.core,
-                phase="switching" if c.cell_id in self.switching else "ready",
+                phase=(
+                    "switching"
+                    if c.cell_id in self.switching
+                    else "lost"
+                    if c.cell_id in self.pool.lost
+                    else "ready"
+                ),
                 since=c.since,
                 active_sessions=c.active_sessions,
             )

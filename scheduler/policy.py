@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
 
 Role = Literal["rollout", "train"]
-Phase = Literal["ready", "switching"]
+Phase = Literal["ready", "switching", "lost"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class CellState:
     """The core holds the authoritative weights and the optimizer: it never leaves training
     (Colocate excepted: there the whole pool, the core included, rolls out between updates)."""
     phase: Phase = "ready"
-    """"switching": draining, migrating, pulling weights or waking; it serves neither role yet."""
+    """"switching": draining, migrating, pulling weights or waking; it serves neither role yet.
+    "lost": the gateway holds its engine dead (its host was cut off, its process died) until it
+    serves again, on another host perhaps: no policy moves it, nothing is dispatched to it."""
     since: float = 0.0
     """When the cell's last role change began (seconds, the clock of `SchedulerState.now`)."""
     active_sessions: int = 0

@@ -219,6 +219,8 @@ class CellFleet:
                 and (state := client.read_flow_run(c.flow_run_id).state) is not None
                 and state.is_final()
             }
+        if ended or lost:
+            self._serve_newest(admin, skip={c.cell_id for c in self.cells.values() if c.host in lost})
         for cell_id, state in sorted(ended.items()):
             cell = self.cells[cell_id]
             why = f"its flow run ended {state.name}: {state.message or ''}".strip()
@@ -247,6 +249,28 @@ class CellFleet:
                 )
         self.replacements += done
         return done
+
+    def _serve_newest(self, admin: AdminClient, skip: set[str]) -> None:
+        """The newest version a live engine serves, with the weights it was given, becomes what a
+        cell started from now on loads: a scheduler process (tasks/schedule.py) serves versions that
+        the campaign's process, which holds this fleet, never tells it (`serving`). ``skip``: the
+        engines of lost hosts (a call to them would wait out its timeout)."""
+        for engine in admin.gateway_stats().engines:
+            if engine.state == "dead" or engine.engine_id in skip:
+                continue
+            try:
+                stats = admin.engine_stats(engine.url)
+            except (httpx.HTTPError, AdminError):  # on a lost host too: it serves nothing
+                continue
+            if (
+                stats.policy_version is not None
+                and stats.weights_path
+                and stats.policy_version > self.order.version
+            ):
+                log.info(
+                    "cells started from now on serve version %d (%s)", stats.policy_version, engine.engine_id
+                )
+                self.serving(stats.policy_version, stats.weights_path)
 
     def _confirmed(self, silent: dict[str, str], admin: AdminClient) -> dict[str, str]:
         """The hosts of ``silent`` (no worker beat) none of whose cells' engines answers /health: a

@@ -322,7 +322,9 @@ def test_a_host_fetches_a_policy_folder_from_object_storage_once(s3_bucket, monk
 
 def test_a_host_whose_worker_is_silent_but_whose_engines_answer_is_not_lost(prefect_harness, tmp_path):
     """A worker that died or beats late on a loaded host loses no cell while its engines serve; once
-    they stop answering too, the host is lost and its cell moves to the host that beats."""
+    they stop answering too, the host is lost and its cell moves to the host that beats, and serves
+    the newest version a live engine serves (a scheduler process serves versions the fleet is never
+    told)."""
     import uuid
 
     from prefect import flow, get_client
@@ -349,7 +351,12 @@ def test_a_host_whose_worker_is_silent_but_whose_engines_answer_is_not_lost(pref
     def probe() -> None:
         return None
 
-    with gateway_stack(str(tmp_path), scripted_model(tokenizer()), engine_ids=("cell-0",)) as gateway:
+    from safetensors.torch import save_file
+
+    model = scripted_model(tokenizer())
+    newest = tmp_path / "v2.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, newest, metadata={"version": "2"})
+    with gateway_stack(str(tmp_path), model, engine_ids=("cell-0", "other")) as gateway:
         fleet = CellFleet(cluster, CellOrder(policy="p", gateway_url=gateway.url))
         with (
             get_client(sync_client=True) as client,
@@ -360,11 +367,15 @@ def test_a_host_whose_worker_is_silent_but_whose_engines_answer_is_not_lost(pref
             client.send_worker_heartbeat(f"gyre-{beating}", "w", heartbeat_interval_seconds=60)
             assert "ever" in fleet.lost_hosts()[quiet]  # its worker never beat...
             assert fleet.replace_lost(admin) == []  # ...but its engine answers: nothing moves
+            other = next(e.url for e in admin.gateway_stats().engines if e.engine_id == "other")
+            assert admin.load_weights(other, str(newest)).policy_version == 2  # served by no fleet call
             kill(gateway.engine_servers["cell-0"])  # now the engine is silent too
             [moved] = fleet.replace_lost(admin)
             assert (moved.cell_id, moved.lost_host, moved.host) == ("cell-0", quiet, beating)
             assert client.read_flow_run(run.id).state.type.value == "CRASHED"
-            assert {e.engine_id: e.state for e in admin.gateway_stats().engines} == {"cell-0": "dead"}
+            assert {e.engine_id: e.state for e in admin.gateway_stats().engines}["cell-0"] == "dead"
+            started = client.read_flow_run(moved.flow_run_id).parameters
+            assert (started["version"], started["weights"]) == (2, str(newest))
 
 
 def test_a_cell_joins_its_gateway_again_once_the_gateway_was_started_again(tmp_path):

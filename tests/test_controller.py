@@ -161,3 +161,35 @@ def test_a_pool_reused_for_another_run_keeps_how_long_each_cell_has_held_its_rol
     pool.restart_clock()
     assert pool.now() == 0.0
     assert pool.states()[0].since == -15.0  # 15 s ago on the new clock
+
+
+def test_a_pool_on_hosts_holds_a_cell_lost_while_the_gateway_lists_it_dead_and_follows_its_move():
+    """A cell whose engine the gateway holds dead is lost (no policy moves it, no version is served
+    to it) until the gateway lists it again; at another URL it has moved: it takes its new ends,
+    serves (rollout), and is named once for its version to be served."""
+    listed = {"e0": ("http://h1:1", None), "e1": ("http://h2:1", "http://h2:2")}
+    ends = []
+
+    def moved_to(cell: Cell, url: str, trainer_url: str | None) -> None:
+        cell.spec = dataclasses.replace(cell.spec, engine_url=url)
+        ends.append((cell.spec.cell_id, url, trainer_url))
+
+    pool = CellPool(
+        [
+            Cell(CellSpec("cell-0", "http://h1:1", "e0", core=True), engine=None),
+            Cell(CellSpec("cell-1", "http://h2:1", "e1"), engine=None),
+        ],
+        follow=lambda: dict(listed),
+        moved_to=moved_to,
+    )
+    assert pool.follow_moves() == [] and pool.lost == set()
+    pool.cells["cell-1"].role = "train"
+    del listed["e1"]  # its host was cut off: the gateway holds its engine dead
+    assert pool.follow_moves() == [] and pool.lost == {"cell-1"} and pool.take_moved() == []
+    listed["e1"] = ("http://h1:7", "http://h1:8")  # started again on h1
+    assert [s.cell_id for s in pool.states()] == ["cell-0", "cell-1"] and pool.lost == set()
+    assert ends == [("cell-1", "http://h1:7", "http://h1:8")] and pool.cells["cell-1"].role == "rollout"
+    assert pool.take_moved() == ["cell-1"] and pool.take_moved() == [] and pool.follow_moves() == []
+    assert [(cell, old, new) for _, cell, old, new in pool.moves] == [
+        ("cell-1", "http://h2:1", "http://h1:7")
+    ]
