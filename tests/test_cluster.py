@@ -7,6 +7,7 @@ cell's fence, and the CLI."""
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -115,6 +116,7 @@ def test_a_campaign_runs_on_cells_across_three_hosts_and_survives_one_cut_off_an
         kill_gateway=True,
         core_hosts=("h3",),
     )
+    print(json.dumps({k: v for k, v in figures.items() if k != "measured"}, default=str))  # for a failure
     assert figures["gateway_calls_before_kill"] >= 1 and figures["gateway_serving_again_s"] > 0
     assert figures["executions_went_on_at_standby"] >= 1
     assert figures["steps"] == 2 and figures["executions_packed"] == [6, 6], figures["left_out_by_step"]

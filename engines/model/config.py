@@ -46,50 +46,16 @@ class Preset:
     """what the preset is for (shown in docs)"""
 
 
-PRESETS: dict[str, Preset] = {
+PRESETS: dict[str, Preset] = {  # hidden, layers, heads, kv heads, MLP width, RoPE base, vocabulary, dtype
     "tiny": Preset(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=384,
-        rope_theta=10_000.0,
-        vocab_size=4096,
-        dtype="float32",
-        purpose="tests: a forward pass in milliseconds on CPU",
+        256, 4, 4, 2, 384, 10_000.0, 4096, "float32", purpose="tests: a forward pass in milliseconds on CPU"
     ),
-    "small": Preset(
-        hidden_size=512,
-        num_hidden_layers=12,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=1536,
-        rope_theta=10_000.0,
-        vocab_size=8192,
-        dtype="float32",
-        purpose="CPU benchmarks",
-    ),
+    "small": Preset(512, 12, 8, 2, 1536, 10_000.0, 8192, "float32", purpose="CPU benchmarks"),
     "gpu-0.5b": Preset(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        rope_theta=1_000_000.0,
-        vocab_size=8192,
-        dtype="bfloat16",
-        purpose="one GPU: the Qwen2.5-0.5B shape with our vocabulary",
+        896, 24, 14, 2, 4864, 1e6, 8192, "bfloat16", purpose="one GPU: Qwen2.5-0.5B's shape, our vocabulary"
     ),
     "gpu-1.5b": Preset(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        rope_theta=1_000_000.0,
-        vocab_size=8192,
-        dtype="bfloat16",
-        purpose="GPUs: the Qwen2.5-1.5B shape with our vocabulary",
+        1536, 28, 12, 2, 8960, 1e6, 8192, "bfloat16", purpose="GPUs: Qwen2.5-1.5B's shape, our vocabulary"
     ),
 }
 

@@ -129,16 +129,16 @@ class Family:
     """generation_config.json's eos tokens: the turn's end and the document's end"""
 
 
-_QWEN = dict(
-    tool_call_format=QWEN_FORMAT,
-    chat_template=CHAT_TEMPLATE,
-    special=CONTROL_TOKENS,
-    added=TOOL_TOKENS,
-    bos=None,
-    eos=IM_END,
-    pad=ENDOFTEXT,
-    stops=(IM_END, ENDOFTEXT),
-)
+_QWEN = {  # qwen2 and qwen3 write the same template and tokens
+    "tool_call_format": QWEN_FORMAT,
+    "chat_template": CHAT_TEMPLATE,
+    "special": CONTROL_TOKENS,
+    "added": TOOL_TOKENS,
+    "bos": None,
+    "eos": IM_END,
+    "pad": ENDOFTEXT,
+    "stops": (IM_END, ENDOFTEXT),
+}
 FAMILIES: dict[str, Family] = {
     "qwen2": Family("qwen2", "qwen2", **_QWEN),
     "qwen3": Family("qwen3", "qwen3", **_QWEN),
