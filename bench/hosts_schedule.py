@@ -15,8 +15,10 @@ three cells on one host, sim/calibrate.py), it predicts each 3-host row's span f
 executions under the row's policy, the weights reaching each host over its own link; the error is
 |predicted - measured| / measured, the largest of the three rows.
 
-The hosts share this machine's two cores: a cell switched from rollout to training moves no hardware
-of its own (the cells are not partitioned across hosts), which bounds what elastic can gain here.
+The hosts share this machine's two cores, and each cell owns a share of them ([cluster] cell_cpus,
+``CELL_CPUS``: a cgroup quota its engine and replica share on its host; the core trains under the same
+quota): a cell switched from rollout to training takes its share along, as a GPU cell takes its
+devices. Before 2026-12-07 the cells shared the cores, so a switch moved no hardware.
 """
 
 from __future__ import annotations
@@ -36,11 +38,17 @@ SCHEDULES: dict[str, dict[str, Any]] = {
     # gain_factor 0: move whenever capacity allows (the controller estimates no backlog in seconds yet)
     "elastic": {"policy": "elastic", "params": {"depth": 2, "min_dwell_s": 1.0, "gain_factor": 0.0}},
 }
+CELL_CPUS = 0.4
+"""Each cell's CPU quota on its host, the core's too: 1.6 of this machine's 2 cores, the rest to the
+gateway, the harnesses, the scheduler's controller, Prefect and S3."""
 WORKLOAD: dict[str, Any] = {
     "max_policy_lag": 1,
     "dispatch": {"durations": {"short_turns": 2, "long_fraction": 0.34, "long_factor": [3.0, 5.0]}},
+    "cluster": {"cell_cpus": CELL_CPUS},
 }
-"""A third of the executions run 3-5 times as many turns: the tail that elastic moves cells away from."""
+"""A third of the executions run 3-5 times as many turns: the tail that elastic moves cells away from.
+Each cell owns its CPU share (a cgroup quota on its host): a cell idle in rollout wastes its share, a
+cell switched to training brings it to the step."""
 ROUNDS = 2
 DEPTH = {"colocate": 1, "async": 2, "elastic": 2}
 

@@ -35,13 +35,15 @@ def cell(
     devices: list[int] | None = None,
     more_gateways: list[str] | None = None,
     replica: bool = False,
+    cpus: float | None = None,
 ) -> dict[str, Any]:
     """Serves the cell's engine on ``address`` behind the gateway until the run is cancelled or
     marked crashed; the admin tokens come from the Secret block ``tokens_block``. ``weights``: the
     campaign's current version (``version``), loaded before the engine joins the gateway; ``threads``
     and ``devices``: the engine's torch threads and GPUs (the host's, from ``[cluster]``);
     ``more_gateways``: the campaign's other gateways, which the engine joins too; ``replica``: the cell
-    also serves a trainer replica beside its engine (the elastic scheduler's cells)."""
+    also serves a trainer replica beside its engine (the elastic scheduler's cells); ``cpus``: the
+    cell's CPU quota in cores (a cgroup on its host: [cluster] cell_cpus)."""
     tokens = Secret.load(tokens_block).get()
     run_id = flow_run.get_id()
     return serve_cell(
@@ -60,6 +62,7 @@ def cell(
         gpus=devices,
         more_gateways=more_gateways or (),
         replica=replica,
+        cpus=cpus,
     )
 
 

@@ -58,6 +58,9 @@ class Services(BaseModel):
         description="the address of this machine the hosts reach ([cluster] gateway_address) for cells on "
         "hosts: the core's streaming step listens there, so replicas on the hosts join it",
     )
+    core_cpus: float | None = Field(
+        None, description="the CPU quota in cores of the scheduler's core trainer ([cluster] cell_cpus)"
+    )
     cell_cgroups: list[list[str]] = Field(
         default_factory=list,
         description="each cell's CPU cgroup folders (cell i: engine i) when the stack gave its cells their "
@@ -105,7 +108,11 @@ def campaign_services(
         if cluster is not None:
             with cluster_stack(model, store, serving, cluster, replicas) as (stack, urls):
                 yield services(
-                    stack, engine_urls=urls, cells_on_hosts=True, core_address=cluster.gateway_address
+                    stack,
+                    engine_urls=urls,
+                    cells_on_hosts=True,
+                    core_address=cluster.gateway_address,
+                    core_cpus=cluster.cell_cpus,
                 )
             return
         running = running_stack(store.data_root, model, serving.engine)
@@ -170,6 +177,7 @@ def cluster_stack(
             more_gateways=tuple(stack.gateway_urls[1:]),
             serving=serving.model_dump(include=set(CELL_SERVING)),
             replica=replicas,
+            cpus=cluster.cell_cpus,
         )
         fleet = CellFleet(cluster, order)
         fleet.save_tokens(stack.admin_token, stack.engine_admin_token)

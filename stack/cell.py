@@ -24,6 +24,7 @@ import httpx
 
 from engines.admin import AdminClient, AdminError
 from engines.devices import CellDevices, process_env
+from engines.devices.cpu_quota import cell_quota
 from engines.net import free_port
 from scheduler.remote import ReplicaServer
 from stack.cluster_config import HostSpec
@@ -52,6 +53,7 @@ class CellOrder:
     weights: str | None = None  # the version a cell started now loads first (a URL the hosts read)
     version: int = 0
     replica: bool = False  # each cell also serves a trainer replica (the elastic scheduler's cells)
+    cpus: float | None = None  # each cell's CPU quota in cores ([cluster] cell_cpus)
 
     def parameters(self, cell_id: str, host: HostSpec, slot: int = 0) -> dict[str, Any]:
         """The cell flow run's parameters (shown in the UI: no secret); ``slot``: which of the host's
@@ -70,6 +72,7 @@ class CellOrder:
             "threads": host.threads,
             "devices": host.devices[slot] if host.devices is not None else None,
             "replica": self.replica,
+            "cpus": self.cpus,
         }
 
 
@@ -91,6 +94,7 @@ def serve_cell(
     poll_s: float = 2.0,
     more_gateways: Sequence[str] = (),
     replica: bool = False,
+    cpus: float | None = None,
 ) -> dict[str, Any]:
     """A cell's life on its host: its engine listening on ``address`` (serving ``weights`` as
     ``version`` when given: the campaign's current version, for a cell started mid-campaign), added to
@@ -100,49 +104,54 @@ def serve_cell(
     visible GPUs (None: inherited). ``more_gateways``: the campaign's other gateways, which the engine
     joins too (one that does not answer is skipped, with a line saying so). ``replica``: the cell also
     serves a trainer replica of the policy on ``address`` (scheduler/remote.py), listed with its engine
-    at the gateway as its ``trainer_url``: the elastic scheduler switches the cell to training."""
-    policy = local_policy(policy)
-    port = free_port(address)
-    command, stdin, _ = engine_process(
-        policy, serving, port, engine_admin_token, host=address, engine_id=cell_id
-    )
-    url = f"http://{address}:{port}"
-    devices = CellDevices(threads=threads or serving.engine_threads, gpus=gpus)
-    env = {**os.environ, **process_env(devices)}
-    with (
-        serving_process(command, url, env, stdin=stdin) as engine,
-        AdminClient(gateway_url, admin_token, engine_admin_token) as admin,
-        contextlib.ExitStack() as beside,
-    ):
-        trainer_url = None
-        if replica:
-            server = ReplicaServer(policy, address, engine_admin_token, cell=devices)
-            trainer_url = beside.enter_context(server).url
-        if weights is not None:
-            admin.load_weights(url, weights, version, drop_kv=True)
-        added = admin.add_engine(url, engine_id=cell_id, host=host, trainer_url=trainer_url)
-        for other in more_gateways:
-            try:
-                with AdminClient(other, admin_token, engine_admin_token) as more:
-                    more.add_engine(url, engine_id=cell_id, host=host, trainer_url=trainer_url)
-            except (AdminError, httpx.HTTPError) as exc:
-                print(f"cell {cell_id} on {host}: gateway {other} did not take the engine: {exc}")
-        print(
-            f"cell {cell_id} on {host}: engine {added.engine_id} at {url} serves {weights or policy} (v{version})"
-            + (f"; its trainer replica at {trainer_url}" if trainer_url else "")
+    at the gateway as its ``trainer_url``: the elastic scheduler switches the cell to training.
+    ``cpus``: the cell's CPU quota in cores, a cgroup its engine and replica are born in (removed once
+    they stopped; where the machine refuses, a warning and no quota)."""
+    with cell_quota(cell_id, cpus) as quota:  # removed last: once the engine and replica stopped
+        [devices] = quota.place(
+            [CellDevices(threads=threads or serving.engine_threads, gpus=gpus)], [cell_id]
         )
-        while True:
-            if engine.poll() is not None:
-                raise RuntimeError(
-                    f"cell {cell_id} on {host}: its engine at {url} exited with {engine.returncode}"
-                )
-            reason = should_stop()
-            if reason is not None:
-                print(f"cell {cell_id} on {host}: stopping ({reason})")
-                return {"cell_id": cell_id, "host": host, "url": url, "stopped": reason}
-            for gateway in (gateway_url, *more_gateways):
-                rejoin(gateway, url, cell_id, host, admin_token, engine_admin_token, trainer_url)
-            time.sleep(poll_s)
+        policy = local_policy(policy)
+        port = free_port(address)
+        command, stdin, _ = engine_process(
+            policy, serving, port, engine_admin_token, host=address, engine_id=cell_id
+        )
+        url = f"http://{address}:{port}"
+        env = {**os.environ, **process_env(devices)}
+        with (
+            serving_process(command, url, env, stdin=stdin) as engine,
+            AdminClient(gateway_url, admin_token, engine_admin_token) as admin,
+            contextlib.ExitStack() as beside,
+        ):
+            trainer_url = None
+            if replica:
+                server = ReplicaServer(policy, address, engine_admin_token, cell=devices)
+                trainer_url = beside.enter_context(server).url
+            if weights is not None:
+                admin.load_weights(url, weights, version, drop_kv=True)
+            added = admin.add_engine(url, engine_id=cell_id, host=host, trainer_url=trainer_url)
+            for other in more_gateways:
+                try:
+                    with AdminClient(other, admin_token, engine_admin_token) as more:
+                        more.add_engine(url, engine_id=cell_id, host=host, trainer_url=trainer_url)
+                except (AdminError, httpx.HTTPError) as exc:
+                    print(f"cell {cell_id} on {host}: gateway {other} did not take the engine: {exc}")
+            print(
+                f"cell {cell_id} on {host}: engine {added.engine_id} at {url} serves {weights or policy} (v{version})"
+                + (f"; its trainer replica at {trainer_url}" if trainer_url else "")
+            )
+            while True:
+                if engine.poll() is not None:
+                    raise RuntimeError(
+                        f"cell {cell_id} on {host}: its engine at {url} exited with {engine.returncode}"
+                    )
+                reason = should_stop()
+                if reason is not None:
+                    print(f"cell {cell_id} on {host}: stopping ({reason})")
+                    return {"cell_id": cell_id, "host": host, "url": url, "stopped": reason}
+                for gateway in (gateway_url, *more_gateways):
+                    rejoin(gateway, url, cell_id, host, admin_token, engine_admin_token, trainer_url)
+                time.sleep(poll_s)
 
 
 def rejoin(

@@ -74,6 +74,13 @@ class ClusterConfig(BaseModel):
     max_restarts: NonNegativeInt = Field(
         3, description="times a cell whose run ended on a live host is started again before it is given up"
     )
+    cell_cpus: PositiveFloat | None = Field(
+        None,
+        description="cores' worth of CPU time each cell may use on its host: a CPU cgroup quota that its "
+        "engine and trainer replica share, so a cell switched to training takes its share along, as "
+        "[serving] partition does on one machine; the scheduler's core trainer gets the same quota "
+        "(None: the cells of a host share its cores)",
+    )
     core_hosts: list[str] = Field(
         default_factory=list,
         description="hosts that each hold one more rank of the core: the trainer (rank 0, on the campaign's "

@@ -28,6 +28,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from engines.admin import AdminClient
+from engines.devices import CellDevices
+from engines.devices.cpu_quota import cell_quota
 from scheduler.report import Message
 from scheduler.service import SchedulerConfig, cell_pool, schedule_steps
 from stack.campaign import Services
@@ -76,9 +78,13 @@ def main() -> int:
     )
     serving = job.serving
     loss = job.trainer.loss.model_dump()
+    quota = contextlib.ExitStack()
+    trainer_cell = None
     if services.cells_on_hosts:  # each cell's engine and replica on its host (their live URLs)
         pool = cell_pool(admin, cells_by_id(admin), job.policy, loss=loss, on_hosts=True)
-        placed = False
+        if services.core_cpus:  # the core trains under the quota each cell has on its host
+            core = quota.enter_context(cell_quota("cell-0", services.core_cpus))
+            [trainer_cell] = core.place([CellDevices(threads=serving.trainer_threads)], ["cell-0"])
     else:
         # a running `gyre up` stack may have other engines than this config names: then no cell is placed
         placed = len(services.engine_urls) == serving.engines
@@ -86,19 +92,19 @@ def main() -> int:
             [services.in_cell(serving.engine_cell(i), i) for i in range(serving.engines)] if placed else None
         )
         pool = cell_pool(admin, services.engine_urls, job.policy, cells, loss=loss)
+        trainer_cell = services.in_cell(serving.trainer_cell(), 0) if placed else None
     recipe = StepsConfig.model_validate(job.model_dump(include=set(StepsConfig.model_fields)))
-    runtime = CampaignSteps(
-        recipe, services, trainer_cell=services.in_cell(serving.trainer_cell(), 0) if placed else None
-    )
-    schedule_steps(
-        runtime,
-        pool,
-        job.scheduler,
-        start=job.start,
-        steps=job.steps,
-        max_policy_lag=job.max_policy_lag,
-        heartbeat=lambda line: print(line, flush=True),
-    )
+    runtime = CampaignSteps(recipe, services, trainer_cell=trainer_cell)
+    with quota:
+        schedule_steps(
+            runtime,
+            pool,
+            job.scheduler,
+            start=job.start,
+            steps=job.steps,
+            max_policy_lag=job.max_policy_lag,
+            heartbeat=lambda line: print(line, flush=True),
+        )
     return 0
 
 

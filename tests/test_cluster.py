@@ -383,9 +383,12 @@ def test_a_host_whose_worker_is_silent_but_whose_engines_answer_is_not_lost(pref
 def test_a_cell_joins_its_gateway_again_once_the_gateway_was_started_again(tmp_path):
     """One gateway (no sibling to copy the engines from): SIGKILLed and started again on its port, it
     knows no engine; the cell's loop sees its engine missing there and adds it again. An engine listed
-    as dead (declared so by the fleet) is left alone."""
+    as dead (declared so by the fleet) is left alone. The cell has a CPU quota ([cluster] cell_cpus):
+    its engine runs in a cgroup of half a core, removed once the cell ended."""
+    import os
     import threading
 
+    from engines.devices.cpu_quota import CellCgroup, find_hierarchy
     from stack.cell import rejoin, serve_cell
     from stack.serving import ServingConfig
     from stack.stack import local_stack
@@ -411,6 +414,7 @@ def test_a_cell_joins_its_gateway_again_once_the_gateway_was_started_again(tmp_p
                     stack.engine_admin_token,
                     should_stop=lambda: "stopped by the test" if stop.is_set() else None,
                     poll_s=0.5,
+                    cpus=0.5,
                 )
             except BaseException as exc:  # reported below
                 result["error"] = exc
@@ -426,6 +430,10 @@ def test_a_cell_joins_its_gateway_again_once_the_gateway_was_started_again(tmp_p
             while "cell-0" not in engines():
                 assert thread.is_alive() and time.monotonic() < deadline, result
                 time.sleep(0.2)
+            hierarchy = find_hierarchy()
+            folders = tuple(top / "gyre" / f"cell-0.{os.getpid()}" / "cell-0" for top in hierarchy.roots())
+            quota = CellCgroup("cell-0", folders, hierarchy)
+            assert quota.quota() == 0.5 and len(quota.pids()) == 1  # the engine (no replica here)
             stack.processes[url].kill()
             stack.processes[url].wait()
             stack.restart(url)
@@ -442,3 +450,4 @@ def test_a_cell_joins_its_gateway_again_once_the_gateway_was_started_again(tmp_p
         stop.set()
         thread.join(60)
     assert result.get("ended", {}).get("stopped") == "stopped by the test", result
+    assert not any(folder.exists() for folder in folders)

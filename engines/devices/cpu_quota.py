@@ -307,6 +307,17 @@ def cpu_partition(
         partition.remove()
 
 
+@contextlib.contextmanager
+def cell_quota(cell_id: str, cores: float | None) -> Iterator[CpuPartition]:
+    """One cell's cgroup with a quota of ``cores`` for the block (a cell on a host of [cluster]:
+    stack/cell.py), removed after; ``cores`` None: no partition."""
+    partition = CpuPartition.create(cell_id, {cell_id: cores}) if cores else CpuPartition.none()
+    try:
+        yield partition
+    finally:
+        partition.remove()
+
+
 def sweep_dead_runs(hierarchy: Hierarchy) -> int:
     """Removes the run folders (``<run>.<pid>``) of processes that are gone (killed: their cleanup
     never ran), moving what is left in them to the root; returns how many. Runs of live processes,
