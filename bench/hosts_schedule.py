@@ -35,8 +35,13 @@ from sim.calibrate import calibrate, on_hosts, predict
 SCHEDULES: dict[str, dict[str, Any]] = {
     "colocate": {"policy": "colocate"},
     "async": {"policy": "async", "params": {"train_cells": 1}},
-    # gain_factor 0: move whenever capacity allows (the controller estimates no backlog in seconds yet)
-    "elastic": {"policy": "elastic", "params": {"depth": 2, "min_dwell_s": 1.0, "gain_factor": 0.0}},
+    # gain_factor 0: move whenever capacity allows (the controller estimates no backlog in seconds yet);
+    # lend_core: the core's cell rolls out too until the step being trained reaches its tail (a step's
+    # training is a small share of it here: a core that always trains idles)
+    "elastic": {
+        "policy": "elastic",
+        "params": {"depth": 2, "min_dwell_s": 1.0, "gain_factor": 0.0, "lend_core": True},
+    },
 }
 CELL_CPUS = 0.4
 """Each cell's CPU quota on its host, the core's too: 1.6 of this machine's 2 cores, the rest to the
