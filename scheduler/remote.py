@@ -12,7 +12,9 @@ replica through `RemoteReplica`:
     replica = RemoteReplica(server.url, token, loss=trainer.loss.model_dump())   # in the scheduler
     replica.join(host, port, step); replica.leave_step(); replica.poll()
 
-Every route takes the engines' admin token as its bearer token. The replica process belongs to the
+Every route takes the engines' admin token as its bearer token; a join's body is a `Join`
+(scheduler/cells.py, as the local replica's command: a malformed one is refused with 422 naming the
+field), and every command answers an `Answer`. The replica process belongs to the
 cell, not to the scheduler: ``RemoteReplica.stop`` leaves a step in progress and nothing more, so a
 scheduler started again drives the same replica (its model already built).
 """
@@ -20,6 +22,7 @@ scheduler started again drives the same replica (its model already built).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import threading
 import time
@@ -27,12 +30,29 @@ from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
+from pydantic import BaseModel
 
 from engines.devices import CellDevices
 from engines.net import KEEP_ALIVE_S, free_port
-from scheduler.cells import JOIN_TIMEOUT_S, Replica
+from scheduler.cells import JOIN_TIMEOUT_S, Join, Replica
 
 ROUTE = "/replica"
+
+
+class Answer(BaseModel):
+    """What a replica's command route answers: the replica's answer (join info, its step's result)
+    and whether it is in a step now."""
+
+    answer: dict[str, Any] | None
+    busy: bool
+
+
+class ReplicaState(BaseModel):
+    """GET /replica: whether it is in a step, what its process got, whether that process lives."""
+
+    busy: bool
+    devices: dict[str, Any] | None
+    alive: bool
 
 
 class ReplicaServer:
@@ -63,28 +83,28 @@ class ReplicaServer:
 
         # sync routes: each runs on uvicorn's thread pool, and a join blocks until the replica counts
         @app.get(ROUTE)
-        def state() -> dict[str, Any]:
-            return {"busy": replica.busy, "devices": replica.devices, "alive": replica.process.is_alive()}
+        def state() -> ReplicaState:
+            return ReplicaState(busy=replica.busy, devices=replica.devices, alive=replica.process.is_alive())
 
         @app.post(f"{ROUTE}/join")
-        def join(body: dict[str, Any]) -> dict[str, Any]:
+        def join(body: Join) -> Answer:
             try:
-                info = replica.join(body["host"], int(body["port"]), int(body["step"]), loss=body.get("loss"))
+                info = replica.join(body.host, body.port, body.step, loss=body.loss)
             except (RuntimeError, TimeoutError) as error:
-                raise HTTPException(503, f"the replica could not join step {body['step']}: {error}") from None
-            return {"answer": info, "busy": replica.busy}
+                raise HTTPException(503, f"the replica could not join step {body.step}: {error}") from None
+            return Answer(answer=info, busy=replica.busy)
 
         @app.post(f"{ROUTE}/leave")
-        def leave() -> dict[str, Any]:
+        def leave() -> Answer:
             try:
                 left = replica.leave_step()
             except (RuntimeError, TimeoutError) as error:
                 raise HTTPException(503, f"the replica could not leave its step: {error}") from None
-            return {"answer": left, "busy": replica.busy}
+            return Answer(answer=left, busy=replica.busy)
 
         @app.post(f"{ROUTE}/poll")
-        def poll() -> dict[str, Any]:
-            return {"answer": replica.poll(), "busy": replica.busy}
+        def poll() -> Answer:
+            return Answer(answer=replica.poll(), busy=replica.busy)
 
         import uvicorn
 
@@ -129,20 +149,20 @@ class RemoteReplica:
             timeout=httpx.Timeout(timeout_s + 10, connect=5.0),  # a join waits; a cut-off host does not
         )
 
-    def _call(self, route: str, body: dict[str, Any] | None = None) -> Any:
-        response = self.client.post(f"{ROUTE}/{route}", json=body or {})
+    def _call(self, route: str, body: Join | None = None) -> Any:
+        response = self.client.post(f"{ROUTE}/{route}", json=dataclasses.asdict(body) if body else {})
         if response.status_code != 200:
             raise RuntimeError(
                 f"replica at {self.url}: {route} answered {response.status_code}: {response.text}"
             )
-        answer = response.json()
-        self.busy = bool(answer["busy"])
-        return answer["answer"]
+        answer = Answer.model_validate_json(response.content)
+        self.busy = answer.busy
+        return answer.answer
 
     def join(self, host: str, port: int, step: int) -> dict[str, Any]:
         self.busy = True
         try:
-            return self._call("join", {"host": host, "port": port, "step": step, "loss": self.loss})
+            return self._call("join", Join(host, port, step, self.loss))
         except BaseException:
             self.busy = False  # as a local replica that failed to join: the cell is free again
             raise

@@ -58,9 +58,7 @@ class Services(BaseModel):
         description="the address of this machine the hosts reach ([cluster] gateway_address) for cells on "
         "hosts: the core's streaming step listens there, so replicas on the hosts join it",
     )
-    core_cpus: float | None = Field(
-        None, description="the CPU quota in cores of the scheduler's core trainer ([cluster] cell_cpus)"
-    )
+    core_cpus: float | None = None  # the scheduler's core trainer's CPU quota in cores ([cluster] cell_cpus)
     cell_cgroups: list[list[str]] = Field(
         default_factory=list,
         description="each cell's CPU cgroup folders (cell i: engine i) when the stack gave its cells their "

@@ -16,6 +16,9 @@ from tests.train_fixtures import TRAINER, CoreStreaming, streamed_case, update_r
 pytestmark = pytest.mark.slow
 
 
+AUTH = {"Authorization": "Bearer secret-token"}
+
+
 def test_a_remote_replica_joins_and_leaves_a_step_with_the_cores_loss(tmp_path):
     torch.set_num_threads(1)
     # not the default loss: a replica left with the default one would make another update
@@ -26,6 +29,10 @@ def test_a_remote_replica_joins_and_leaves_a_step_with_the_cores_loss(tmp_path):
     with ReplicaServer(model_dir, "127.0.0.1", "secret-token") as server:
         refused = httpx.post(f"{server.url}{ROUTE}/poll", headers={"Authorization": "Bearer nope"})
         assert refused.status_code == 401
+        malformed = httpx.post(  # a join without its step's port: refused with the field named
+            f"{server.url}{ROUTE}/join", json={"host": "127.0.0.1", "step": 0}, headers=AUTH
+        )
+        assert malformed.status_code == 422 and "port" in malformed.text
         replica = RemoteReplica(server.url, "secret-token", loss=config.loss.model_dump())
         streaming = CoreStreaming(setup)
         streaming.append(chunks[:3])

@@ -90,15 +90,8 @@ def ensure_distributed(world: CoreWorld | None = None) -> None:
         # rank's address (a host's hostname may resolve to loopback, which other hosts cannot reach)
         os.environ["GLOO_SOCKET_IFNAME"] = interface_of(world.local_address or world.address)
         init_method, timeout = f"tcp://{world.address}:{world.port}", timedelta(seconds=world.timeout_s)
-    deepspeed.init_distributed(
-        dist_backend=backend,
-        auto_mpi_discovery=False,
-        init_method=init_method,
-        rank=rank,
-        world_size=size,
-        timeout=timeout,
-        verbose=False,
-    )
+    world_at = {"init_method": init_method, "rank": rank, "world_size": size, "timeout": timeout}
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, **world_at)
     _DISTRIBUTED_READY = True
 
 
