@@ -191,8 +191,10 @@ class Controller:
         trainer.result()  # a training failure ends the run with its error
         for task in list(self.switching.values()):
             await task
+        makespan_s = time.monotonic() - started
+        await self._leave_serving()
         return RunReport(
-            makespan_s=time.monotonic() - started,
+            makespan_s=makespan_s,
             steps=self.reports,
             switches=list(self.pool.switches),
             timeline=self.timeline,
@@ -201,6 +203,15 @@ class Controller:
             cpu_busy=cpu_busy(cpu, cpu_times()),
             core_start_s=core_start_s,
         )
+
+    async def _leave_serving(self) -> None:
+        """Every cell that ended in training wakes on the last version, after the makespan: the
+        campaign's held-out evaluation and a scheduler started again find every engine serving (under
+        colocate the last step's training leaves them all asleep)."""
+        asleep = [
+            c.cell_id for c in self.pool.states() if c.role == "train" and c.cell_id not in self.pool.lost
+        ]
+        await asyncio.gather(*(self._switch(cell_id, "rollout") for cell_id in asleep))
 
     async def _prepare(self, steps: list[_Step]) -> float:
         """The core started and at the first step (Runtime.prepare), a heartbeat every tick meanwhile."""
