@@ -10,10 +10,13 @@ compared (``speedup_vs_async`` = async's mean / elastic's, ``speedup_vs_colocate
 row's held-out evaluation of its last version is kept beside it. ``cut``: elastic again with h3 cut
 off while step 1 rolls out there (lost, recorded twice, trained twice).
 
-The simulator (``sim_vs_real_error``): calibrated on a 1-host colocate run of the same workload (its
-three cells on one host, sim/calibrate.py), it predicts each 3-host row's span from that row's
-executions under the row's policy, the weights reaching each host over its own link; the error is
-|predicted - measured| / measured, the largest of the three rows.
+The simulator (``sim_vs_real_error``): calibrated on 1-host runs of the same workload (its three
+cells on one host; sim/calibrate.py `calibrate`: colocate for the switches, async for the training
+rate and the update, as bench/schedule_real.py calibrates), it predicts each 3-host row's span from
+that row's executions under the row's policy, the weights reaching each host over its own link; the
+error is |predicted - measured| / measured, the largest of the three rows. The runs it used are saved
+(``MEASURED``, sim/calibrate.py `save_measured`): ``python -m bench.hosts_schedule --sim FILE`` predicts
+again from them, without running anything.
 
 The hosts share this machine's two cores, and each cell owns a share of them ([cluster] cell_cpus,
 ``CELL_CPUS``: a cgroup quota its engine and replica share on its host; the core trains under the same
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.policy import make_policy
-from sim.calibrate import calibrate, on_hosts, predict
+from sim.calibrate import MeasuredRun, calibrate, load_measured, on_hosts, predict, save_measured
 
 SCHEDULES: dict[str, dict[str, Any]] = {
     "colocate": {"policy": "colocate"},
@@ -55,6 +58,8 @@ WORKLOAD: dict[str, Any] = {
 Each cell owns its CPU share (a cgroup quota on its host): a cell idle in rollout wastes its share, a
 cell switched to training brings it to the step."""
 ROUNDS = 2
+MEASURED = Path("bench/results/hosts-measured.json")
+"""The runs the simulator's prediction used: the 1-host calibration runs and each policy's last round."""
 DEPTH = {"colocate": 1, "async": 2, "elastic": 2}
 
 
@@ -81,7 +86,10 @@ def _shown(row: dict[str, Any]) -> str:
 
 
 def schedules_across_hosts(
-    rounds: int = ROUNDS, delivery: dict[str, Any] | None = None, progress: Path | None = None
+    rounds: int = ROUNDS,
+    delivery: dict[str, Any] | None = None,
+    progress: Path | None = None,
+    measured_out: Path = MEASURED,
 ) -> dict[str, Any]:
     """The three policies' rows on three hosts (``rounds`` rounds), elastic with h3 cut, and the
     simulator's prediction of each row calibrated on one host (``delivery``: train.weight_delivery's
@@ -104,8 +112,12 @@ def schedules_across_hosts(
     print(f"elastic     cut h3    {_shown(cut)}  moved {cut['moved']}", flush=True)
     one, calibration = _run([3], "colocate")
     print(f"elastic     1 host    colocate (the simulator's calibration) {_shown(one)}", flush=True)
+    one_async, streaming = _run([3], "async")
+    print(f"elastic     1 host    async (the simulator's training rate) {_shown(one_async)}", flush=True)
+    runs = {"calibration": [calibration], "streaming": [streaming]} | {n: [r] for n, r in measured.items()}
+    save_measured(runs, str(measured_out))
     try:
-        sim = sim_rows(calibration, measured, delivery)
+        sim = sim_rows(calibration, measured, delivery, streaming)
     except Exception as error:  # the rows measured stay; the prediction says why it is missing
         sim = {"error": f"{type(error).__name__}: {error}", "rows": {}}
     figures = {
@@ -133,10 +145,19 @@ def schedules_across_hosts(
     return figures
 
 
-def sim_rows(one, rows: dict[str, Any], delivery: dict[str, Any] | None) -> dict[str, Any]:
-    """The simulator calibrated on the 1-host colocate run ``one`` predicting each 3-host row's span
-    (the last round's) under its policy."""
-    machine = calibrate(one, make_policy("colocate"), 3, one.sessions_per_cell)
+def sim_rows(
+    one: MeasuredRun,
+    rows: dict[str, MeasuredRun],
+    delivery: dict[str, Any] | None,
+    streaming: MeasuredRun | None = None,
+) -> dict[str, Any]:
+    """The simulator calibrated on the 1-host colocate run ``one`` (and the 1-host async run
+    ``streaming``, its training rate and update) predicting each 3-host row's span (the last round's)
+    under its policy."""
+    stream = None
+    if streaming is not None:
+        stream = (streaming, make_policy("async", **SCHEDULES["async"]["params"]), DEPTH["async"])
+    machine = calibrate(one, make_policy("colocate"), 3, one.sessions_per_cell, streaming=stream)
     if delivery is not None:
         machine = on_hosts(machine, 3, 1, delivery["bytes"], delivery["bytes"] / delivery["other_host_s"])
     predicted = {
@@ -144,7 +165,7 @@ def sim_rows(one, rows: dict[str, Any], delivery: dict[str, Any] | None) -> dict
         for name, run in rows.items()
     }
     return {
-        "calibrated_on": "1 host, colocate",
+        "calibrated_on": "1 host, colocate" + (" and async" if streaming is not None else ""),
         "span_s_1_host": round(one.makespan_s, 2),
         "rows": {
             name: {
@@ -160,6 +181,12 @@ def sim_rows(one, rows: dict[str, Any], delivery: dict[str, Any] | None) -> dict
 if __name__ == "__main__":
     import sys
 
+    if sys.argv[1:2] == ["--sim"]:  # predict again from saved runs: --sim FILE [hosts.json for the link]
+        runs = load_measured(sys.argv[2])
+        one, streaming = runs.pop("calibration")[0], runs.pop("streaming", [None])[0]
+        link = json.loads(Path(sys.argv[3]).read_text())["train"]["weight_delivery"] if sys.argv[3:] else None
+        print(json.dumps(sim_rows(one, {n: r[0] for n, r in runs.items()}, link, streaming), indent=1))
+        sys.exit(0)
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS
     out = sys.argv[2] if len(sys.argv) > 2 else "bench/results/hosts_elastic.json"
     result = schedules_across_hosts(rounds, progress=Path(out).with_suffix(".partial.json"))

@@ -61,3 +61,32 @@ def test_the_prediction_for_three_hosts_reproduces_the_calibration_and_saves_onl
     saved = figures["step_s_1_host_fitted"] - figures["step_s_3_hosts_predicted"]
     assert -0.05 <= saved <= 0.4 + 0.05
     assert figures["error"] < 0.03
+
+
+def test_the_policies_rows_are_predicted_again_from_the_runs_the_benchmark_saved(tmp_path):
+    """bench/hosts_schedule.py saves the runs its prediction used; `--sim FILE` predicts from them
+    again, calibrated on the 1-host colocate run with the 1-host async run's training rate."""
+    import json
+    import subprocess
+    import sys
+
+    from bench.hosts_schedule import sim_rows
+    from sim.calibrate import save_measured
+
+    one = _run(40.0)
+    streaming = dataclasses.replace(_run(34.0), policy="async", core_compute_s=[3.0, 3.0])
+    rows = {"colocate": one, "async": streaming}
+    direct = sim_rows(one, rows, None, streaming)
+    assert direct["calibrated_on"] == "1 host, colocate and async"
+    assert direct["rows"]["async"]["error"] < 0.05  # the decode latency is fitted to the streaming run
+    path = tmp_path / "measured.json"
+    save_measured(
+        {"calibration": [one], "streaming": [streaming]} | {n: [r] for n, r in rows.items()}, str(path)
+    )
+    again = subprocess.run(
+        [sys.executable, "-m", "bench.hosts_schedule", "--sim", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(again.stdout) == direct
