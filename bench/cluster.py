@@ -196,8 +196,6 @@ def campaign_on_hosts(
             "SELECT count(*) FROM executions e WHERE n_calls > "
             "(SELECT count(*) FROM calls c WHERE c.execution_id = e.execution_id)"
         ).fetchall()[0][0]
-        executions_a_step = config.problems.per_step * config.dispatch.group_size
-        measured = measured_run(con, records, 2, sessions_per_cell=-(-executions_a_step // sum(cells)))
         evaluations = committed_evaluations(store)
         at_standby = con.sql(
             f"SELECT count(DISTINCT execution_id) FROM calls WHERE call_id >= {STANDBY_CALL_BASE}"
@@ -211,6 +209,8 @@ def campaign_on_hosts(
                 table = pq.read_table(io.BytesIO(target.read_bytes(path)), columns=["executions"])
                 for execution in {e for row in table.column("executions").to_pylist() for e in row}:
                     trained[execution] = trained.get(execution, 0) + 1
+        executions_a_step = config.problems.per_step * config.dispatch.group_size
+        measured = measured_run(con, records, 2, -(-executions_a_step // sum(cells)), set(trained))
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["gyre-cell"])))
             core_runs = {
@@ -279,11 +279,16 @@ def campaign_on_hosts(
     }
 
 
-def measured_run(con, records: list, group_size: int, sessions_per_cell: int) -> MeasuredRun:
+def measured_run(
+    con, records: list, group_size: int, sessions_per_cell: int, trained: set[str] | None = None
+) -> MeasuredRun:
     """The campaign's steps as the simulator's calibration reads a real run (sim/calibrate.py): each
-    execution's calls, tokens, call and wall time from the store, and each step's time after its
-    roll-out. Its switches are left at 0: what a step spends serving its version (the weights pulled
-    over the hosts' links) is inside its roll-out; `bench/hosts.py` names it."""
+    execution's calls, tokens, call and wall time from the store, the tokens it gave training (those
+    of the executions in ``trained``, the steps' batches: with zero_signal = "keep" a group without a
+    signal trains too; None: those of groups with a signal), each step's time after its roll-out
+    and the core's own compute (its step's compute less its waits for arrivals: the training rate).
+    Its switches are left at 0: what a step spends serving its version (the weights pulled over the
+    hosts' links) is inside its roll-out; `bench/hosts.py` names it."""
     rows = con.sql(
         """
         SELECT e.step, e.execution_id, e.group_id, e.reward, e.ended_at - e.started_at,
@@ -298,9 +303,9 @@ def measured_run(con, records: list, group_size: int, sessions_per_cell: int) ->
     for step, _, group, reward, *_ in rows:
         rewards.setdefault((step, group), set()).add(round(reward or 0.0, 6))
     steps: list[list[Execution]] = [[] for _ in records]
-    for step, _, group, _, wall, outputs, prompts, call_s, unique in rows:
-        trained = unique if len(rewards[(step, group)]) > 1 else 0.0
-        steps[step].append(Execution.recorded(outputs, prompts, call_s, wall, trained))
+    for step, execution_id, group, _, wall, outputs, prompts, call_s, unique in rows:
+        packed = execution_id in trained if trained is not None else len(rewards[(step, group)]) > 1
+        steps[step].append(Execution.recorded(outputs, prompts, call_s, wall, unique if packed else 0.0))
     return MeasuredRun(
         policy="colocate",
         group_size=group_size,
@@ -310,6 +315,9 @@ def measured_run(con, records: list, group_size: int, sessions_per_cell: int) ->
         to_train_s=0.0,
         to_rollout_s=0.0,
         sessions_per_cell=sessions_per_cell,
+        core_compute_s=[
+            max(0.0, r.metrics.get("compute_s", 0.0) - r.metrics.get("core_wait_s", 0.0)) for r in records
+        ],
     )
 
 

@@ -14,9 +14,11 @@ The simulator (``sim_vs_real_error``): calibrated on 1-host runs of the same wor
 cells on one host; sim/calibrate.py `calibrate`: colocate for the switches, async for the training
 rate and the update, as bench/schedule_real.py calibrates), it predicts each 3-host row's span from
 that row's executions under the row's policy, the weights reaching each host over its own link; the
-error is |predicted - measured| / measured, the largest of the three rows. The runs it used are saved
-(``MEASURED``, sim/calibrate.py `save_measured`): ``python -m bench.hosts_schedule --sim FILE`` predicts
-again from them, without running anything.
+error is |predicted - measured| / measured, the largest of the three rows. A decode step's cost per
+sequence is measured on a cell of the same quota (``batch_cost``, bench/batch_cost.py), not assumed.
+The runs it used are saved (``MEASURED``, sim/calibrate.py `save_measured`): ``python -m
+bench.hosts_schedule --sim FILE [--hosts HOSTS_JSON [--update]]`` predicts again from them, without
+running a campaign.
 
 The hosts share this machine's two cores, and each cell owns a share of them ([cluster] cell_cpus,
 ``CELL_CPUS``: a cgroup quota its engine and replica share on its host; the core trains under the same
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.policy import make_policy
-from sim.calibrate import MeasuredRun, calibrate, load_measured, on_hosts, predict, save_measured
+from sim.calibrate import BATCH_COST, MeasuredRun, calibrate, load_measured, on_hosts, predict, save_measured
 
 SCHEDULES: dict[str, dict[str, Any]] = {
     "colocate": {"policy": "colocate"},
@@ -116,8 +118,12 @@ def schedules_across_hosts(
     print(f"elastic     1 host    async (the simulator's training rate) {_shown(one_async)}", flush=True)
     runs = {"calibration": [calibration], "streaming": [streaming]} | {n: [r] for n, r in measured.items()}
     save_measured(runs, str(measured_out))
+    from bench.batch_cost import batch_cost
+
+    cost = batch_cost(CELL_CPUS)
+    print(f"elastic     batch cost on a cell of {CELL_CPUS} cores {cost}", flush=True)
     try:
-        sim = sim_rows(calibration, measured, delivery, streaming)
+        sim = sim_rows(calibration, measured, delivery, streaming, cost["batch_cost"])
     except Exception as error:  # the rows measured stay; the prediction says why it is missing
         sim = {"error": f"{type(error).__name__}: {error}", "rows": {}}
     figures = {
@@ -133,6 +139,7 @@ def schedules_across_hosts(
             for k in ("executions_lost", "trained_twice", "calls_recorded_twice", "moved", "recovery_s")
         }
         | {"cells_moved": sum(cut["cells_moved_by_step"])},
+        "batch_cost": cost,
         "sim": sim,
         "sim_vs_real_error": max((r["error"] for r in sim["rows"].values()), default=None),
     }
@@ -150,14 +157,18 @@ def sim_rows(
     rows: dict[str, MeasuredRun],
     delivery: dict[str, Any] | None,
     streaming: MeasuredRun | None = None,
+    batch_cost: float = BATCH_COST,
 ) -> dict[str, Any]:
     """The simulator calibrated on the 1-host colocate run ``one`` (and the 1-host async run
-    ``streaming``, its training rate and update) predicting each 3-host row's span (the last round's)
-    under its policy."""
+    ``streaming``, its training rate and update, where it measured its core's compute: runs saved
+    before 2026-12-07 22:00 did not; ``batch_cost``: a cell's decode cost per sequence,
+    bench/batch_cost.py) predicting each 3-host row's span (the last round's) under its policy."""
     stream = None
-    if streaming is not None:
+    if streaming is not None and sum(streaming.core_compute_s) > 0:  # its core's training rate measured
         stream = (streaming, make_policy("async", **SCHEDULES["async"]["params"]), DEPTH["async"])
-    machine = calibrate(one, make_policy("colocate"), 3, one.sessions_per_cell, streaming=stream)
+    machine = calibrate(
+        one, make_policy("colocate"), 3, one.sessions_per_cell, streaming=stream, batch_cost=batch_cost
+    )
     if delivery is not None:
         machine = on_hosts(machine, 3, 1, delivery["bytes"], delivery["bytes"] / delivery["other_host_s"])
     predicted = {
@@ -165,7 +176,8 @@ def sim_rows(
         for name, run in rows.items()
     }
     return {
-        "calibrated_on": "1 host, colocate" + (" and async" if streaming is not None else ""),
+        "calibrated_on": "1 host, colocate" + (" and async" if stream is not None else ""),
+        "batch_cost": batch_cost,
         "span_s_1_host": round(one.makespan_s, 2),
         "rows": {
             name: {
@@ -178,17 +190,42 @@ def sim_rows(
     }
 
 
-if __name__ == "__main__":
-    import sys
+def sim_again(measured: Path, hosts: Path | None, update: bool) -> dict[str, Any]:
+    """The prediction from the runs a benchmark saved (``measured``), with the link rate and the batch
+    cost of its ``hosts`` report (``gyre bench hosts``' hosts.json: train.weight_delivery,
+    elastic.batch_cost; a report without a batch cost has it measured now and kept in it). ``update``:
+    the report's elastic.sim and sim_vs_real_error are replaced by this prediction."""
+    runs = load_measured(str(measured))
+    one, streaming = runs.pop("calibration")[0], runs.pop("streaming", [None])[0]
+    report = json.loads(hosts.read_text()) if hosts is not None else {}
+    elastic = report.get("elastic", {})
+    if hosts is not None and "batch_cost" not in elastic:
+        from bench.batch_cost import batch_cost
 
-    if sys.argv[1:2] == ["--sim"]:  # predict again from saved runs: --sim FILE [hosts.json for the link]
-        runs = load_measured(sys.argv[2])
-        one, streaming = runs.pop("calibration")[0], runs.pop("streaming", [None])[0]
-        link = json.loads(Path(sys.argv[3]).read_text())["train"]["weight_delivery"] if sys.argv[3:] else None
-        print(json.dumps(sim_rows(one, {n: r[0] for n, r in runs.items()}, link, streaming), indent=1))
-        sys.exit(0)
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS
-    out = sys.argv[2] if len(sys.argv) > 2 else "bench/results/hosts_elastic.json"
-    result = schedules_across_hosts(rounds, progress=Path(out).with_suffix(".partial.json"))
-    Path(out).write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(f"wrote {out}")
+        elastic["batch_cost"] = batch_cost(CELL_CPUS)
+    cost = elastic.get("batch_cost", {}).get("batch_cost", BATCH_COST)
+    link = report.get("train", {}).get("weight_delivery")
+    sim = sim_rows(one, {n: r[0] for n, r in runs.items()}, link, streaming, cost)
+    if update and hosts is not None:
+        elastic["sim"] = sim
+        elastic["sim_vs_real_error"] = max(r["error"] for r in sim["rows"].values())
+        hosts.write_text(json.dumps(report | {"elastic": elastic}, indent=1) + "\n")
+    return sim
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rounds", nargs="?", type=int, default=ROUNDS)
+    parser.add_argument("out", nargs="?", default="bench/results/hosts_elastic.json")
+    parser.add_argument("--sim", type=Path, default=None, help="predict again from these saved runs only")
+    parser.add_argument("--hosts", type=Path, default=None, help="with --sim: the hosts.json of those runs")
+    parser.add_argument("--update", action="store_true", help="with --hosts: write the prediction into it")
+    args = parser.parse_args()
+    if args.sim is not None:
+        print(json.dumps(sim_again(args.sim, args.hosts, args.update), indent=1))
+    else:
+        result = schedules_across_hosts(args.rounds, progress=Path(args.out).with_suffix(".partial.json"))
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {args.out}")

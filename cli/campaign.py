@@ -69,12 +69,7 @@ def add_campaign_parsers(commands, bench_commands) -> None:
             help="override the config's policy: a local Hugging Face folder of a Llama, Qwen2, Qwen3 or "
             "Mistral model (checked first, as `gyre model check` does)",
         )
-        command.add_argument(
-            "--engine",
-            choices=("gyre", "vllm"),
-            default=None,
-            help="override [serving] engine: ours, or vLLM's server in its own environment (make vllm)",
-        )
+        _engine_option(command, "ours, or vLLM's server in its own environment (make vllm)")
         command.add_argument("--prefect-port", type=int, default=4200, help="0: any free port")
         command.add_argument("--gateway-port", type=int, default=8200, help="0: any free port")
         command.add_argument(
@@ -109,12 +104,7 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     learn.add_argument("--config", default=None, help="another campaign config")
     learn.add_argument("--out", default="bench/results/learn.json", help="where the figures go (JSON)")
     learn.add_argument("--data-root", default=None, help="keep the data here (default: a temporary folder)")
-    learn.add_argument(
-        "--engine",
-        choices=("gyre", "vllm"),
-        default=None,
-        help="override [serving] engine (same recipe, same seeds)",
-    )
+    _engine_option(learn, "the same recipe, the same seeds")
     learn.add_argument(
         "--validation",
         action="store_true",
@@ -132,6 +122,12 @@ def add_campaign_parsers(commands, bench_commands) -> None:
     )
     ui.add_argument("--config", default=DEMO_CONFIG, help="campaign config of the campaign shown")
     ui.add_argument("--steps", type=int, default=1, help="steps of that campaign")
+
+
+def _engine_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--engine", choices=("gyre", "vllm"), default=None, help=f"override [serving] engine: {what}"
+    )
 
 
 def _config(args: argparse.Namespace):

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from engines.admin import AdminClient, DrainReport
 from engines.devices import CellDevices, process_env
@@ -327,6 +327,14 @@ class GatewayEngine:
         self.admin.activate(self.spec.engine_id)
 
 
+class Listed(NamedTuple):
+    """A live engine as the gateway lists it: where it serves, its trainer replica, its sessions."""
+
+    url: str
+    trainer_url: str | None
+    sessions: int = 0
+
+
 @dataclass
 class Cell:
     spec: CellSpec
@@ -342,8 +350,8 @@ class CellPool:
     ``close``; ``partition``: the cells' CPU cgroups (their owner, the stack, removes them).
 
     ``follow``: the cells are on hosts, and one whose host was lost is started again elsewhere under
-    its id (stack/fleet.py); ``follow()`` gives each engine id's (URL, trainer URL) as the gateway
-    lists it now, and ``moved_to(cell, url, trainer_url)`` gives a moved cell its new ends. A moved
+    its id (stack/fleet.py); ``follow()`` gives each live engine id's `Listed` (URL, trainer URL,
+    sessions) as the gateway lists it now (one listing a tick: the sessions come with it), and ``moved_to(cell, url, trainer_url)`` gives a moved cell its new ends. A moved
     cell serves (rollout) from then on: ``take_moved()`` names it once, for its version to be served."""
 
     def __init__(
@@ -354,7 +362,7 @@ class CellPool:
         on_close: Callable[[], None] | None = None,
         clock=time.monotonic,
         partition: CpuPartition | None = None,
-        follow: Callable[[], dict[str, tuple[str, str | None]]] | None = None,
+        follow: Callable[[], dict[str, Listed]] | None = None,
         moved_to: Callable[[Cell, str, str | None], None] | None = None,
     ):
         if sum(c.spec.core for c in cells) > 1:
@@ -369,6 +377,7 @@ class CellPool:
         self.moves: list[tuple[float, str, str, str]] = []  # (now, cell id, old URL, new URL)
         self.lost: set[str] = set()  # cells whose engine the gateway holds dead (with ``follow``)
         self._unserved: list[str] = []
+        self._listed: dict[str, Listed] = {}  # the gateway's last listing (with ``follow``)
         self.partition = partition or CpuPartition.none()
 
     @classmethod
@@ -417,9 +426,9 @@ class CellPool:
         follow = moved_to = None
         if remote is not None:
 
-            def follow() -> dict[str, tuple[str, str | None]]:
+            def follow() -> dict[str, Listed]:
                 live = [e for e in admin.gateway_stats().engines if e.state != "dead"]
-                return {e.engine_id: (e.url, e.trainer_url) for e in live}
+                return {e.engine_id: Listed(e.url, e.trainer_url, e.sessions) for e in live}
 
             def moved_to(cell: Cell, url: str, trainer_url: str | None) -> None:
                 cell.spec = dataclasses.replace(cell.spec, engine_url=url)
@@ -509,8 +518,9 @@ class CellPool:
         if self._follow is None or self._moved_to is None:
             return []
         moved, listed = [], self._follow()
+        self._listed = listed
         self.lost = {c.spec.cell_id for c in self.cells.values() if c.spec.engine_id not in listed}
-        for engine_id, (url, trainer_url) in listed.items():
+        for engine_id, (url, trainer_url, _) in listed.items():
             cell = next((c for c in self.cells.values() if c.spec.engine_id == engine_id), None)
             if cell is None or url == cell.spec.engine_url:
                 continue
@@ -529,9 +539,13 @@ class CellPool:
         return moved
 
     def states(self) -> tuple[CellState, ...]:
-        """The cells as a policy sees them (sessions per engine from ``sessions``), moved cells followed."""
+        """The cells as a policy sees them (sessions per engine from ``sessions``, or from the listing
+        that ``follow`` gave: one call to the gateway a tick), moved cells followed."""
         self.follow_moves()
-        sessions = self._sessions() if self._sessions is not None else {}
+        if self._follow is not None:
+            sessions = {engine_id: listed.sessions for engine_id, listed in self._listed.items()}
+        else:
+            sessions = self._sessions() if self._sessions is not None else {}
         return tuple(
             CellState(
                 cell_id=c.spec.cell_id,

@@ -39,6 +39,9 @@ from sim.run import simulate
 
 SEGMENTS = 3
 SHARED_CORES = 2  # this machine's cores, shared by every cell
+BATCH_COST = 0.2
+"""A decode step's cost of each sequence in the batch, as a share of the step's fixed cost (sim/presets.py
+`EngineModel`: ``latency_per_seq_s`` / ``latency_fixed_s``), unless measured (bench/batch_cost.py)."""
 
 
 @dataclass(frozen=True)
@@ -145,10 +148,11 @@ def machine(
     to_rollout_s: float,
     train_tokens_per_s: float,
     shared_cores: float | None = SHARED_CORES,
+    batch_cost: float = BATCH_COST,
 ) -> Preset:
     """This machine's cells: one torch thread each on 2 shared cores (``shared_cores`` None: each cell
-    owns its share, partitioned); decode `latency_s` per token at batch 1 (batch adds a fifth of it per
-    sequence), training `train_tokens_per_s` per cell."""
+    owns its share, partitioned); a decode step of `latency_s` and `batch_cost` times that for each
+    sequence in its batch, training `train_tokens_per_s` per cell."""
     return Preset(
         name="cpu-measured",
         steps=1,
@@ -161,7 +165,7 @@ def machine(
         engine=EngineModel(
             sessions_per_cell=sessions_per_cell,
             latency_fixed_s=latency_s,
-            latency_per_seq_s=latency_s / 5,
+            latency_per_seq_s=latency_s * batch_cost,
             latency_per_ctx_token_s=0.0,
             max_context=32768,
             kv_bytes_per_token=4096,
@@ -222,8 +226,11 @@ def calibrate(
     cells: int,
     sessions_per_cell: int,
     streaming: tuple[MeasuredRun, Policy, int] | None = None,
+    batch_cost: float = BATCH_COST,
 ) -> Preset:
     """The machine fitted to one real run under `policy` (colocate: its steps show the update).
+    ``batch_cost``: each decoding sequence's share of a step's fixed cost (`machine`), measured
+    beforehand (bench/batch_cost.py) or the default; the bisection fits the fixed cost under it.
 
     The update and the training rate come from what each colocate step spends after its last
     execution ends, less the switches (`fit_training`; the simulator trains the step's tokens on
@@ -266,7 +273,15 @@ def calibrate(
 
     def fitted(latency_s: float) -> Preset:
         return machine(
-            cells, sessions_per_cell, latency_s, update_s, to_train_s, run.to_rollout_s, per_cell, shared
+            cells,
+            sessions_per_cell,
+            latency_s,
+            update_s,
+            to_train_s,
+            run.to_rollout_s,
+            per_cell,
+            shared,
+            batch_cost,
         )
 
     def makespan(latency_s: float) -> float:

@@ -21,7 +21,7 @@ from engines.admin import AdminClient
 from engines.train.config import TrainerConfig
 from environments.dispatch_config import DispatchConfig, DurationProfile
 from environments.harness import HarnessConfig
-from scheduler.cells import Cell, CellPool, CellSpec
+from scheduler.cells import Cell, CellPool, CellSpec, Listed
 from scheduler.controller import Controller
 from scheduler.policy import make_policy
 from scheduler.report import cpu_busy
@@ -167,7 +167,7 @@ def test_a_pool_on_hosts_holds_a_cell_lost_while_the_gateway_lists_it_dead_and_f
     """A cell whose engine the gateway holds dead is lost (no policy moves it, no version is served
     to it) until the gateway lists it again; at another URL it has moved: it takes its new ends,
     serves (rollout), and is named once for its version to be served."""
-    listed = {"e0": ("http://h1:1", None), "e1": ("http://h2:1", "http://h2:2")}
+    listed = {"e0": Listed("http://h1:1", None, 2), "e1": Listed("http://h2:1", "http://h2:2", 1)}
     ends = []
 
     def moved_to(cell: Cell, url: str, trainer_url: str | None) -> None:
@@ -186,8 +186,10 @@ def test_a_pool_on_hosts_holds_a_cell_lost_while_the_gateway_lists_it_dead_and_f
     pool.cells["cell-1"].role = "train"
     del listed["e1"]  # its host was cut off: the gateway holds its engine dead
     assert pool.follow_moves() == [] and pool.lost == {"cell-1"} and pool.take_moved() == []
-    listed["e1"] = ("http://h1:7", "http://h1:8")  # started again on h1
-    assert [s.cell_id for s in pool.states()] == ["cell-0", "cell-1"] and pool.lost == set()
+    listed["e1"] = Listed("http://h1:7", "http://h1:8", 1)  # started again on h1
+    states = pool.states()  # the sessions come with the listing that follows the moves
+    assert [(s.cell_id, s.active_sessions) for s in states] == [("cell-0", 2), ("cell-1", 1)]
+    assert pool.lost == set()
     assert ends == [("cell-1", "http://h1:7", "http://h1:8")] and pool.cells["cell-1"].role == "rollout"
     assert pool.take_moved() == ["cell-1"] and pool.take_moved() == [] and pool.follow_moves() == []
     assert [(cell, old, new) for _, cell, old, new in pool.moves] == [

@@ -10,7 +10,7 @@ import pytest
 
 from bench.hosts import sim_prediction
 from scheduler.policy import make_policy
-from sim.calibrate import Execution, MeasuredRun, calibrate, link_pull_s, on_hosts
+from sim.calibrate import Execution, MeasuredRun, calibrate, link_pull_s, on_hosts, predict
 
 
 def _run(makespan_s: float) -> MeasuredRun:
@@ -90,3 +90,27 @@ def test_the_policies_rows_are_predicted_again_from_the_runs_the_benchmark_saved
         check=True,
     )
     assert json.loads(again.stdout) == direct
+
+
+def test_a_measured_batch_cost_prices_each_sequence_of_a_decode_step():
+    """bench/batch_cost.py measures what a second sequence costs a cell's decode step; the calibrated
+    machine prices each sequence at that share of the step's fixed cost, and the bisection fits the
+    fixed cost under it (the calibration run is reproduced either way)."""
+    run = _run(40.0)
+    cheap = calibrate(run, make_policy("colocate"), 3, 2)
+    dear = calibrate(run, make_policy("colocate"), 3, 2, batch_cost=1.0)
+    assert cheap.engine.latency_per_seq_s == pytest.approx(cheap.engine.latency_fixed_s * 0.2)
+    assert dear.engine.latency_per_seq_s == pytest.approx(dear.engine.latency_fixed_s)
+    assert dear.engine.latency_fixed_s < cheap.engine.latency_fixed_s  # the same run, dearer batches
+    for machine in (cheap, dear):
+        assert predict(machine, run, make_policy("colocate"), 1) == pytest.approx(40.0, rel=0.02)
+
+
+@pytest.mark.slow
+def test_the_batch_cost_is_measured_in_a_cell_of_its_quota():
+    from bench.batch_cost import batch_cost
+
+    figures = batch_cost(0.5)
+    assert figures["steps_timed"]["1"] >= 90 and figures["steps_timed"]["2"] >= 90, figures
+    assert figures["fixed_s"] > 0 and figures["batch_cost"] >= 0, figures
+    assert figures["quota"] is True, figures  # root here: the probe ran in its cgroup
