@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -96,8 +97,19 @@ def hosts(names: list[str]) -> Iterator[list[TestHost]]:
         yield out
     finally:
         for netns in made:
+            _kill_inside(netns)
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def _kill_inside(netns: str) -> None:
+    """Every process still in ``netns`` killed: a cut-off host's cell serves on while its API is
+    silent (flows/cell.py, by design), and once the namespace is deleted nothing could reach it (before
+    2026-12-07 each three-host test left its cut host's cell run, engine and replica running)."""
+    listed = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
+    for pid in (int(p) for p in listed.split() if p.isdigit()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def root_address(host: TestHost) -> str:

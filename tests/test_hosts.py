@@ -417,3 +417,20 @@ def test_the_hosts_benchmark_trains_with_a_core_rank_on_another_host_and_the_sam
     assert all(min(by_rank) >= 1 for by_rank in figures["2_ranks"]["micro_batches_by_rank"]), figures
     if figures["namespaces"]:  # the second rank's reads from S3 and the broadcasts crossed its link
         assert figures["2_ranks"]["other_host_link_bytes"] > 4 * figures["parameters"]
+
+
+def test_a_test_hosts_processes_end_with_it():
+    """A cut-off host's cell serves on while its API is silent; once the test's hosts are gone,
+    nothing is left running in them (bench/netns.py kills what each namespace still holds)."""
+    import subprocess
+    import time
+
+    with hosts(["h1"]) as [host]:
+        if host.netns is None:
+            pytest.skip("no network namespaces here: nothing runs inside a host")
+        inside = subprocess.Popen(["ip", "netns", "exec", host.netns, "sleep", "600"], start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the process never showed up in its namespace"
+            time.sleep(0.05)
+    assert inside.wait(timeout=10) == -9
