@@ -42,7 +42,7 @@ from deployments.cells import deploy_cells
 from deployments.deploy import ROOT, worker_command
 from engines.admin import AdminClient
 from environments.gateways import STANDBY_CALL_BASE
-from sim.calibrate import Execution, MeasuredRun
+from sim.calibrate import Execution, MeasuredRun, core_compute_s
 
 STEPS = 2
 PER_STEP = 3  # problems a step, each a group of 2: 6 executions a step
@@ -315,9 +315,7 @@ def measured_run(
         to_train_s=0.0,
         to_rollout_s=0.0,
         sessions_per_cell=sessions_per_cell,
-        core_compute_s=[
-            max(0.0, r.metrics.get("compute_s", 0.0) - r.metrics.get("core_wait_s", 0.0)) for r in records
-        ],
+        core_compute_s=[core_compute_s(r.metrics) for r in records],
     )
 
 

@@ -34,7 +34,7 @@ from environments.problems import Problem
 from scheduler.controller import Controller
 from scheduler.policy import make_policy
 from scheduler.service import cell_pool, run_controller
-from sim.calibrate import Execution, MeasuredRun
+from sim.calibrate import Execution, MeasuredRun, core_compute_s
 from stack.campaign import Services, policy_path, serve_version
 from stack.serving import ServingConfig
 from stack.stack import local_stack
@@ -253,10 +253,7 @@ class RealBench:
             cpu_busy=figures["cpu_busy"],
             partitioned=figures["partitioned"],
             # the core's own compute (its step's compute less its waits for arrivals): the training rate
-            core_compute_s=[
-                max(0.0, s["metrics"].get("compute_s", 0.0) - s["metrics"].get("core_wait_s", 0.0))
-                for s in figures["steps"]
-            ],
+            core_compute_s=[core_compute_s(s["metrics"]) for s in figures["steps"]],
         )
 
 

@@ -93,6 +93,12 @@ class MeasuredRun:
     """Executions a rollout cell ran at once (files from before this field ran 2)."""
 
 
+def core_compute_s(metrics: dict[str, float]) -> float:
+    """A step's seconds of the core's own compute from its trainer metrics: the step's compute less
+    its waits for arrivals (what `MeasuredRun.core_compute_s` holds per step)."""
+    return max(0.0, metrics.get("compute_s", 0.0) - metrics.get("core_wait_s", 0.0))
+
+
 def save_measured(runs: dict[str, list[MeasuredRun]], path: str) -> None:
     """Every run, by label (`calibration` is the one `calibrate` fits), as JSON."""
     with open(path, "w") as handle:
