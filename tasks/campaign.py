@@ -229,7 +229,7 @@ def evaluate(
         "harness": harness,
     }
     run_missing(problems, services, store, replace(config, **changes))
-    con = connect(Store(store), selection)
+    con = connect(Store(store), selection, steps=[version])
     figures = step_figures(con, version)
     by_suite = con.execute(
         """SELECT split_part(problem_id, '-', 1), avg(CASE WHEN reward = 1.0 THEN 1.0 ELSE 0.0 END), avg(reward)

@@ -102,7 +102,7 @@ def pack(recipe: StepsConfig, step: int, group: str | None = None) -> Chunk:
     to train has no ``uri``."""
     target = Store(recipe.store)
     with naming_bad_parts(target):
-        con = connect(target, recipe.selection)
+        con = connect(target, recipe.selection, steps=[step])
         try:
             batch, counts = step_batch(
                 con,
@@ -128,7 +128,7 @@ def executions_figures(recipe: StepsConfig, step: int) -> dict[str, float]:
     """The step's executions by status, reward, pass rate, groups and tokens (trajectory_store/step.py)."""
     target = Store(recipe.store)
     with naming_bad_parts(target):
-        con = connect(target, recipe.selection)
+        con = connect(target, recipe.selection, steps=[step])
         try:
             return step_figures(con, step)
         finally:

@@ -126,7 +126,7 @@ def pack_step(
     """Packs one step's training trees and writes them to batches/step=<n>/packed.parquet."""
     target = Store(store)
     with naming_bad_parts(target):
-        batch = pack(connect(target, selection), packing, step=step)
+        batch = pack(connect(target, selection, steps=[step]), packing, step=step)
     buffer = io.BytesIO()
     pq.write_table(batch_to_table(batch, step), buffer, compression=store.compression)
     path = target.path(f"batches/step={step}/packed.parquet")

@@ -58,6 +58,21 @@ def test_s3_views_match_local_import(sample_on_s3_and_local, view):
     assert s3_rows == local_rows
 
 
+def test_a_steps_connection_holds_its_parts_and_gives_the_same_views(sample_on_s3_and_local):
+    """What a step's pack opens: its step's parts fetched at once into memory, the same rows in every
+    view as the views over the parts in S3."""
+    store = sample_on_s3_and_local["stores"]["s3"]
+    [step] = store.steps()
+    con = connect(store, steps=[step])
+
+    assert con.sql(
+        "SELECT table_type FROM information_schema.tables WHERE table_name = 'calls_raw'"
+    ).fetchall() == [("BASE TABLE",)]
+    for view in VIEWS:
+        assert view_rows(con, view) == sample_on_s3_and_local["s3"][view], view
+    assert connect(store, steps=[step + 1]).sql("SELECT count(*) FROM calls").fetchall() == [(0,)]
+
+
 def test_s3_export_round_trip_is_exact(sample_on_s3_and_local, tmp_path):
     out = tmp_path / "export.jsonl"
 
@@ -191,6 +206,11 @@ def test_a_corrupt_part_on_s3_is_named_and_quarantined(s3_bucket, tmp_path):
     with pytest.raises(StoreError, match="unreadable calls part") as raised:
         connect(store)
     assert store.url(part) in str(raised.value)
+    with pytest.raises(StoreError, match="unreadable calls part") as raised:
+        connect(store, steps=[1])  # a step's parts, fetched whole
+    assert store.url(part) in str(raised.value)
+    step_0 = connect(store, steps=[0]).sql("SELECT DISTINCT execution_id FROM calls ORDER BY 1").fetchall()
+    assert step_0 == [("p0-e0",), ("p0-e1",)]  # another step's bad part is not read
     problems, counts = check_parts(store)
     assert [p.url for p in problems] == [store.url(part)] and counts["calls"] == 2
 

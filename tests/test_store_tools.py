@@ -451,6 +451,9 @@ def test_a_missing_part_is_listed_and_quarantine_records_it(two_steps, capsys):
 
     assert main(["traj", "stats", *store_args]) == 2
     assert "missing" in one_error_line(capsys.readouterr().err)
+    with pytest.raises(StoreError, match="missing: a manifest lists it") as raised:
+        connect(store, steps=[1])  # what a step's pack opens: its parts, fetched at once
+    assert str(part) in str(raised.value)
     assert main(["traj", "check", "--quarantine", *store_args]) == 0
 
     assert "(nothing: it was missing)" in capsys.readouterr().out

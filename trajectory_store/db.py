@@ -19,15 +19,15 @@ StoreError naming the part (parts.py).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from importlib import resources
 from typing import Any
 
 import duckdb
 import numpy as np
-import pyarrow as pa
 
 from trajectory_store.config import SelectionConfig
-from trajectory_store.parts import REQUIRED_COLUMNS, bare_connection, naming_bad_parts
+from trajectory_store.parts import REQUIRED_COLUMNS, bare_connection, naming_bad_parts, read_parts
 from trajectory_store.schema import SCHEMA_VERSION, SCHEMAS, RecordError, context_hash
 from trajectory_store.storage import KINDS, Store
 
@@ -74,10 +74,16 @@ def connect(
     store: Store,
     selection: SelectionConfig | None = None,
     *,
+    steps: Iterable[int] | None = None,
     threads: int | None = None,
     read_only: bool = False,
 ) -> duckdb.DuckDBPyConnection:
     """A connection with the views over the parts visible now.
+
+    steps: those steps' parts only, fetched at once and held in memory (blobs excepted): what a
+    step's pack and figures use. Views over every part of a campaign read every part again in each
+    query (on object storage: requests per part and query, one after another), so a group's pack
+    took seconds and cost more with each step the campaign had made.
 
     read_only: once the views exist, the connection may read those parts and nothing else: no file
     written (COPY, EXPORT), no database attached, no extension installed or loaded, no other file
@@ -89,10 +95,12 @@ def connect(
     con = bare_connection(store, threads=threads)
     readable: list[str] = []
     with naming_bad_parts(store):
+        visible = store.visible(steps)
         for kind in KINDS:
-            parts = [store.url(p) for p in store.visible_parts(kind)]
+            parts = [store.url(p) for p in visible[kind]]
             readable += parts
-            if parts:
+            # a step's parts are read into memory, blobs (workspace file contents) excepted
+            if parts and (steps is None or kind == "blobs"):
                 listing = ", ".join(_quote(p) for p in parts)
                 columns = ", ".join(SCHEMAS[kind].names)
                 con.execute(
@@ -100,10 +108,10 @@ def connect(
                     f"FROM read_parquet([{listing}], union_by_name=true, filename=true)"
                 )
             else:
-                empty = SCHEMAS[kind].empty_table().append_column("filename", pa.array([], pa.string()))
-                con.register(f"{kind}_empty", empty)
-                con.execute(f"CREATE OR REPLACE TABLE {kind}_raw AS SELECT * FROM {kind}_empty")
-                con.unregister(f"{kind}_empty")
+                rows = read_parts(store, kind, visible[kind])
+                con.register(f"{kind}_rows", rows)
+                con.execute(f"CREATE OR REPLACE TABLE {kind}_raw AS SELECT * FROM {kind}_rows")
+                con.unregister(f"{kind}_rows")
         _check_stored(con)
         con.execute(
             "CREATE TABLE selection_config AS SELECT ?::BIGINT AS j_max, ?::BIGINT AS seed",

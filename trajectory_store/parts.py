@@ -145,6 +145,41 @@ def check_parts(store: Store, kinds: tuple[str, ...] = KINDS) -> tuple[list[Part
     return problems, counts
 
 
+def read_parts(store: Store, kind: str, paths: list[str]) -> pa.Table:
+    """Parts of one dataset read whole and at once (object storage fetches them concurrently), as
+    DuckDB's read_parquet(union_by_name, filename) gives them: the dataset's columns, null where a
+    part lacks one, and ``filename``, each row's part URL. A part that is absent or does not decode
+    is a StoreError naming it, as a failed query's is."""
+    schema = SCHEMAS[kind]
+    fetched = store.fs.cat(paths, on_error="return") if paths else {}
+    tables = []
+    for path in paths:
+        data = fetched.get(path, FileNotFoundError(path))
+        reason = None
+        if isinstance(data, FileNotFoundError):
+            reason = "missing: a manifest lists it, storage does not have it"
+        else:
+            try:
+                if isinstance(data, BaseException):
+                    raise data
+                table = pq.read_table(io.BytesIO(data))
+                empty = {f.name: pa.nulls(table.num_rows, f.type) for f in schema}
+                table = pa.table(
+                    {**empty, **{n: table.column(n) for n in schema.names if n in table.column_names}}
+                )
+                table = table.select(schema.names).cast(schema)
+            except (OSError, pa.ArrowException) as error:
+                reason = _first_line(error)
+        if reason is not None:
+            raise _unreadable(_problem(store, kind, path, reason), 0)
+        tables.append(
+            table.append_column("filename", pa.array([store.url(path)] * table.num_rows, pa.string()))
+        )
+    if not tables:
+        return schema.empty_table().append_column("filename", pa.array([], pa.string()))
+    return pa.concat_tables(tables)
+
+
 def _problem(store: Store, kind: str, path: str, reason: str) -> PartProblem:
     rel = path[len(store.campaign_dir) + 1 :]
     return PartProblem(kind, rel, store.url(path), reason, missing=reason.startswith("missing:"))

@@ -220,11 +220,17 @@ class Store:
         self.write_bytes(self.path(rel), json.dumps(manifest, sort_keys=True).encode())
         return rel
 
-    def manifests(self) -> list[dict[str, Any]]:
+    def manifests(self, steps: Iterable[int] | None = None) -> list[dict[str, Any]]:
+        """The committed manifests (with ``steps``: those steps' only), read at once: s3fs fetches a
+        list of objects concurrently, where one GET at a time made every read cost a round trip per
+        flush the campaign ever made."""
+        folders = ["manifests"] if steps is None else [f"manifests/step={int(s)}" for s in sorted(set(steps))]
+        # a temporary file left by a crash is not one
+        paths = [path for folder in folders for path in self.files_under(folder, ".json")]
         found = []
-        for path in self.files_under("manifests", ".json"):  # a temporary file left by a crash is not one
+        for path, data in self.fs.cat(paths).items() if paths else ():
             try:
-                found.append(json.loads(self.read_bytes(path)))
+                found.append(json.loads(data))
             except ValueError as error:
                 raise StoreError(f"{self.url(path)}: manifest is not valid JSON ({error})") from None
         return found
@@ -239,14 +245,26 @@ class Store:
 
     def committed_parts(self, kind: str) -> list[str]:
         """Paths of every part a manifest lists, quarantined or not."""
-        rels = sorted({rel for m in self.manifests() for rel in m["files"].get(kind, [])})
-        return [self.path(rel) for rel in rels]
+        return self._listed(self.manifests(), kind)
 
-    def visible_parts(self, kind: str) -> list[str]:
-        """Paths (full, for this filesystem) of the parts that committed manifests list, less the
-        ones moved to quarantine (a part written again at its path after that is visible again)."""
-        hidden = {self.path(entry["part"]) for entry in self.quarantined_parts() if entry["kind"] == kind}
-        return [path for path in self.committed_parts(kind) if path not in hidden or self.exists(path)]
+    def _listed(self, manifests: list[dict[str, Any]], kind: str) -> list[str]:
+        return [
+            self.path(rel) for rel in sorted({rel for m in manifests for rel in m["files"].get(kind, [])})
+        ]
+
+    def visible(self, steps: Iterable[int] | None = None) -> dict[str, list[str]]:
+        """Kind -> paths (full, for this filesystem) of the parts that committed manifests list (with
+        ``steps``: those steps' manifests), less the ones moved to quarantine (a part written again at
+        its path after that is visible again). Manifests and quarantine are read once for every kind."""
+        manifests = self.manifests(steps)
+        hidden = {(entry["kind"], self.path(entry["part"])) for entry in self.quarantined_parts()}
+        return {
+            kind: [p for p in self._listed(manifests, kind) if (kind, p) not in hidden or self.exists(p)]
+            for kind in KINDS
+        }
+
+    def visible_parts(self, kind: str, steps: Iterable[int] | None = None) -> list[str]:
+        return self.visible(steps)[kind]
 
     def steps(self) -> list[int]:
         return sorted({int(m["step"]) for m in self.manifests()})
@@ -271,11 +289,9 @@ class Store:
 
     def read_columns(self, kind: str, columns: list[str], step: int) -> pa.Table:
         """Some columns of one step's visible rows of a dataset (only that step's parts are read)."""
-        marker = f"/{kind}/step={int(step)}/"
         tables = [
             pq.read_table(io.BytesIO(self.read_bytes(path)), columns=columns)
-            for path in self.visible_parts(kind)
-            if marker in path
+            for path in self.visible_parts(kind, steps=[step])
         ]
         schema = pa.schema([SCHEMAS[kind].field(c) for c in columns])
         return pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
