@@ -42,13 +42,8 @@ import httpx
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import JSONResponse, Response
 
+from engines import admin
 from engines.admin import (
-    ENGINE_SLEEP,
-    ENGINE_STATS,
-    ENGINE_WAKE,
-    ENGINE_WEIGHTS,
-    EXPORT_SESSION,
-    IMPORT_SESSION,
     EngineCounters,
     EngineStatsReport,
     SleepState,
@@ -250,7 +245,7 @@ def create_app(config: VllmServerConfig) -> FastAPI:
         counters.max_running = gate.max_in_flight
         return Response(completion.model_dump_json(exclude_none=True), media_type="application/json")
 
-    @app.post(ENGINE_WEIGHTS.path, dependencies=[Depends(guard)])
+    @app.post(admin.ENGINE_WEIGHTS.path, dependencies=[Depends(guard)])
     async def weights(body: WeightsRequest) -> WeightsLoaded:
         version = version_of(body.path, body.version)
         async with gate.exclusive():
@@ -260,7 +255,7 @@ def create_app(config: VllmServerConfig) -> FastAPI:
             state.update(version=version, path=body.path)
         return WeightsLoaded(policy_version=version)
 
-    @app.post(ENGINE_SLEEP.path, dependencies=[Depends(guard)])
+    @app.post(admin.ENGINE_SLEEP.path, dependencies=[Depends(guard)])
     async def sleep() -> SleepState:
         if not state["asleep"]:
             async with gate.exclusive(reopen=False):
@@ -268,7 +263,7 @@ def create_app(config: VllmServerConfig) -> FastAPI:
                 state["asleep"] = True
         return SleepState(asleep=True, policy_version=state["version"])
 
-    @app.post(ENGINE_WAKE.path, dependencies=[Depends(guard)])
+    @app.post(admin.ENGINE_WAKE.path, dependencies=[Depends(guard)])
     async def wake(body: WakeRequest) -> SleepState:
         version = version_of(body.path, body.version)
         if state["asleep"]:
@@ -285,17 +280,17 @@ def create_app(config: VllmServerConfig) -> FastAPI:
                 state.update(version=version, path=body.path)
         return SleepState(asleep=False, policy_version=state["version"])
 
-    @app.post(EXPORT_SESSION.path, dependencies=[Depends(guard)])
+    @app.post(admin.EXPORT_SESSION.path, dependencies=[Depends(guard)])
     async def export_session() -> JSONResponse:
         return error_response(
             404, "a vLLM engine holds no session to export: the gateway recomputes it on the target"
         )
 
-    @app.post(IMPORT_SESSION.path, dependencies=[Depends(guard)])
+    @app.post(admin.IMPORT_SESSION.path, dependencies=[Depends(guard)])
     async def import_session() -> JSONResponse:
         return error_response(501, "a vLLM engine imports no session KV (no KV connector configured)")
 
-    @app.get(ENGINE_STATS.path, dependencies=[Depends(guard)])
+    @app.get(admin.ENGINE_STATS.path, dependencies=[Depends(guard)])
     async def stats() -> EngineStatsReport:
         _, waiting = queue_of((await vllm("GET", "/metrics")).text)
         # running: what this front has sent and not had answered, less vLLM's queue. vLLM's own running gauge
