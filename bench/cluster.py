@@ -428,7 +428,11 @@ def _cut_during(host: TestHost, step: int, config, thread: threading.Thread, res
             alive(f"the cells of {host.name} never served again")
             if found is None and host.name in fleet.lost:
                 found = time.monotonic() - cut_at
-            engines = {e.engine_id: e for e in admin.gateway_stats().engines}
+            try:
+                engines = {e.engine_id: e for e in admin.gateway_stats().engines}
+            except httpx.TransportError:  # the gateway restarting, or stopped by a campaign that ended
+                time.sleep(0.2)
+                continue
             moved = [
                 c
                 for c in mine

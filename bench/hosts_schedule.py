@@ -7,8 +7,8 @@ the same long-tailed workload (WORKLOAD): each cell an engine and a trainer repl
 core in the root namespace. A row's time is its steps' span (the first step's start to the last
 commit: a scheduler's steps overlap); ``ROUNDS`` rounds, the policies in turn within each, the means
 compared (``speedup_vs_async`` = async's mean / elastic's, ``speedup_vs_colocate`` likewise). Each
-row's held-out evaluation of its last version is kept beside it. ``cut``: elastic again with h3 cut
-off while step 1 rolls out there (lost, recorded twice, trained twice).
+row's held-out evaluation of its last version is kept beside it. ``cut``: elastic again, four steps, with h3
+cut off while step 0 rolls out there (lost, recorded twice, trained twice, the cell served again).
 
 The simulator (``sim_vs_real_error``): calibrated on 1-host runs of the same workload (its three
 cells on one host; sim/calibrate.py `calibrate`: colocate for the switches, async for the training
@@ -109,8 +109,10 @@ def schedules_across_hosts(
     mean = {name: sum(v) / len(v) for name, v in spans.items()}
     if progress is not None:  # the rows so far, should a later run fail
         progress.write_text(json.dumps({"rounds": spans, "rows": rows}, indent=1, default=str) + "\n")
-    # the cut comes once h3's cell serves version 1 with sessions: at max_policy_lag 0 step 1 runs there
-    cut, _ = _run([1, 1, 1], "elastic", {**WORKLOAD, "max_policy_lag": 0}, cut="h3")
+    # the cut comes once h3's cell holds sessions of step 0, and four steps leave the fleet time to
+    # start its cell again while the run goes on (about 40 s here): cut in step 1 of two, a run whose
+    # steps take 10-20 s had ended first, with nothing left for the scheduler to follow it in
+    cut, _ = _run([1, 1, 1], "elastic", {**WORKLOAD, "max_policy_lag": 0, "steps": 4}, cut="h3", cut_step=0)
     print(f"elastic     cut h3    {_shown(cut)}  moved {cut['moved']}", flush=True)
     one, calibration = _run([3], "colocate")
     print(f"elastic     1 host    colocate (the simulator's calibration) {_shown(one)}", flush=True)
