@@ -20,25 +20,15 @@ ELASTIC = {"policy": "elastic", "params": {"depth": 1, "min_dwell_s": 1.0, "gain
 # lost included) for the scheduler to follow the cut cell (with three steps, one run in three failed,
 # its cause not kept). Two steps of even executions (2 s or less since a pack reads its step's parts
 # only) gave the scheduler no idle cell to move after step 0, and ended before the cut cell's restart.
-WORKLOAD = {
-    "steps": 4,
-    "dispatch": {"durations": {"short_turns": 2, "long_fraction": 0.34, "long_factor": [3.0, 5.0]}},
-}
+RUN = {"cells": [1, 1, 1], "cut": "h3", "cut_step": 0, "heartbeat_misses": 5, "scheduler": ELASTIC}
 
 
 @pytest.mark.slow
 def test_the_elastic_scheduler_switches_cells_on_three_hosts_and_survives_one_cut_off(tmp_path):
     from bench.cluster import campaign_on_hosts
+    from bench.hosts_schedule import WORKLOAD
 
-    figures = campaign_on_hosts(
-        tmp_path,
-        cells=[1, 1, 1],
-        cut="h3",
-        cut_step=0,
-        heartbeat_misses=5,
-        scheduler=ELASTIC,
-        overrides=WORKLOAD,
-    )
+    figures = campaign_on_hosts(tmp_path, **RUN, overrides={"steps": 4, "dispatch": WORKLOAD["dispatch"]})
     shown = {k: v for k, v in figures.items() if k != "measured"}
     print(json.dumps(shown, default=str))  # whole in the captured output of a failure (-q cuts `shown`)
     assert figures["steps"] == 4 and figures["executions"] == 24, shown
